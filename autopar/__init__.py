@@ -1,0 +1,15 @@
+"""autopar: automatic data x pipeline x tensor parallelism for GPT-style PyTorch models.
+
+    pm = autopar.parallelize(model, mesh=(dp, pp, tp), example_inputs=(idx, targets))
+    loss = pm.train_step(idx, targets)
+    print(pm.plan.summary())
+"""
+from autopar.api import parallelize, plan
+from autopar.mesh import Mesh
+from autopar.parallel_model import ParallelModel
+from autopar.placement import Partial, Replicate, Shard
+from autopar.plan import Plan, PlanFormatError
+from autopar.planner import PlanError
+
+__all__ = ["parallelize", "plan", "Mesh", "Plan", "ParallelModel", "PlanError", "PlanFormatError",
+           "Shard", "Replicate", "Partial"]

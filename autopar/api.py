@@ -1,0 +1,137 @@
+"""autopar.plan and autopar.parallelize: the two entry points."""
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from autopar.cost_model import get_device
+from autopar.megatron import megatron_placements
+from autopar.mesh import Mesh, default_device_type, device_mesh, group_name
+from autopar.passes.capture import Captured, capture_pass
+from autopar.plan import Plan
+from autopar.planner import (PlanError, build_plan, check_tp, enumerate_strategies, pin_parameters,
+                             solve, strategies_from_plan)
+from autopar.placement import R, Shard
+
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(value) -> float | None:
+    """``"60GiB"``, ``"500MB"`` or a number of bytes."""
+    if value is None or isinstance(value, (int, float)):
+        return value
+    m = re.fullmatch(r"\s*([\d.]+)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"memory_budget {value!r}: expected a size such as '60GiB' or '500MB'")
+    return float(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def _check_knobs(mesh: Mesh, recompute, schedule, zero, sequence_parallel):
+    if mesh.pp > 1:
+        raise NotImplementedError(f"mesh {mesh}: pipeline parallelism (pp > 1) is not available yet; "
+                                  "use pp=1")
+    if recompute != "none":
+        raise NotImplementedError(f"recompute={recompute!r} is not available yet; use recompute='none'")
+    if zero not in (0, 1):
+        raise ValueError(f"zero={zero!r}: autopar supports zero=0 (replicated optimizer state) "
+                         "and zero=1 (optimizer state sharded over dp)")
+    if sequence_parallel not in (True, False, "auto"):
+        raise ValueError(f"sequence_parallel={sequence_parallel!r}: expected True, False or 'auto'")
+
+
+def _local_inputs(example_inputs, mesh: Mesh, microbatches: int):
+    """One dp rank's microbatch of the global example batch (dim 0 of every tensor)."""
+    batch = example_inputs[0].shape[0]
+    if batch % (mesh.dp * microbatches):
+        raise ValueError(f"batch size {batch} is not divisible by dp={mesh.dp} x microbatches="
+                         f"{microbatches}; use a batch that is a multiple of {mesh.dp * microbatches}")
+    b = batch // (mesh.dp * microbatches)
+    return tuple(x[:b] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in example_inputs)
+
+
+def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto", recompute="none",
+           memory_budget=None, schedule="1F1B", microbatches=None, zero=0, device="h100",
+           gpus_per_node=8) -> tuple[Captured, dict, Plan]:
+    """Capture and plan: the graph, the strategy per node and the Plan (no process group needed)."""
+    mesh = Mesh.parse(mesh)
+    _check_knobs(mesh, recompute, schedule, zero, sequence_parallel)
+    m = microbatches or 1
+    dev = get_device(device)
+    cap = capture_pass(model, _local_inputs(example_inputs, mesh, m))
+    check_tp(cap, mesh.tp)
+    options = enumerate_strategies(cap, mesh.tp, sequence_parallel)
+    if isinstance(plan, str) and plan not in ("auto", "megatron"):
+        plan = Plan.from_json(plan)
+    if isinstance(plan, Plan):
+        if tuple(plan.mesh) != (mesh.dp, mesh.pp, mesh.tp):
+            raise PlanError(f"plan.mesh {tuple(plan.mesh)} does not match the mesh {mesh}")
+        if tuple(map(tuple, plan.input_shapes)) != tuple(tuple(i.meta["val"].shape) for i in cap.inputs):
+            raise PlanError(f"plan.input_shapes {plan.input_shapes} do not match this batch's "
+                            "microbatch shapes; re-plan for this batch size")
+        return cap, strategies_from_plan(cap, options, plan), plan
+    if plan == "megatron":
+        options = pin_parameters(options, cap, megatron_placements(cap) if mesh.tp > 1 else {})
+    elif plan != "auto":
+        raise ValueError(f"plan={plan!r}: expected 'auto', 'megatron', a Plan or a plan JSON path")
+    inter = mesh.tp > gpus_per_node
+    assignment = solve(cap, options, mesh.tp, dev, inter_node=inter, memory_budget=parse_bytes(memory_budget))
+    sp = any(isinstance(s.output, Shard) and n.target is torch.ops.aten.layer_norm.default
+             for n, s in assignment.strategies.items())
+    result = build_plan(cap, assignment, mesh, dev, sequence_parallel=sp, zero=zero, microbatches=m,
+                        source=plan, gpus_per_node=gpus_per_node)
+    return cap, assignment.strategies, result
+
+
+def plan(model, mesh, example_inputs, *, device="h100", gpus_per_node=8, **knobs) -> Plan:
+    """Plan offline: no process group, no GPU; ``model`` may live on the meta device.
+
+    ``knobs`` are parallelize's: plan, sequence_parallel, recompute, memory_budget,
+    schedule, microbatches, zero."""
+    return decide(model, mesh, example_inputs, device=device, gpus_per_node=gpus_per_node, **knobs)[2]
+
+
+def _default_device() -> str:
+    if torch.cuda.is_available():
+        return "h200" if "H200" in torch.cuda.get_device_name() else "h100"
+    return "cpu"
+
+
+def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto", recompute="none",
+                memory_budget=None, schedule="1F1B", microbatches=None, zero=0, compile=True,
+                device=None):
+    """Plan ``model`` for ``mesh`` and build this rank's parallel program.
+
+    Call it on every rank of an initialised process group (``torchrun``, or
+    ``autopar.launch.spawn`` for CPU ranks). ``example_inputs`` is one global batch.
+    Rank 0 plans and broadcasts the plan, so every rank runs the same decisions.
+    ``compile``: True lowers through torch.compile (Inductor), a string names another
+    torch.compile backend (e.g. "aot_eager"), False runs the rewritten graph eagerly.
+    ``device``: the cost model's device preset or profile (default: this machine's kind)."""
+    from autopar.launch import init_distributed
+    from autopar.parallel_model import ParallelModel
+
+    mesh_ = Mesh.parse(mesh)
+    _check_knobs(mesh_, recompute, schedule, zero, sequence_parallel)
+    if not dist.is_initialized():
+        init_distributed()
+    if dist.get_world_size() != mesh_.world_size:
+        raise ValueError(f"mesh {mesh_} needs {mesh_.world_size} ranks but the world has "
+                         f"{dist.get_world_size()}; launch {mesh_.world_size} processes or change the mesh")
+    knobs = dict(sequence_parallel=sequence_parallel, recompute=recompute, memory_budget=memory_budget,
+                 schedule=schedule, microbatches=microbatches, zero=zero, device=device or _default_device())
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = decide(model, mesh_, example_inputs, plan=plan, **knobs)[2].to_json()
+        except Exception as e:   # every rank must learn of the failure, not hang in the broadcast
+            box[0] = e
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    cap, strategies, the_plan = decide(model, mesh_, example_inputs, plan=Plan.from_json(box[0]), **knobs)
+    dmesh = device_mesh(mesh_, default_device_type())
+    return ParallelModel(model, cap, strategies, the_plan, mesh_, dmesh, compile=compile)

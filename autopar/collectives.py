@@ -1,0 +1,159 @@
+"""Every collective autopar issues, as autograd-aware functional collectives.
+
+The forward of each wrapper is a ``torch.ops._c10d_functional`` op followed by
+``wait_tensor``; its backward is the dual collective (Megatron's f/g pairs):
+
+    copy_to        identity        <->  all-reduce        (f: entering a TP region)
+    all_reduce     all-reduce      <->  identity          (g: leaving a row-parallel op)
+    all_gather     all-gather      <->  reduce-scatter or slice
+    reduce_scatter reduce-scatter  <->  all-gather
+    split          slice           <->  all-gather
+
+Because they are functional ops, torch.compile keeps them in the graph it
+re-traces, AOTAutograd derives the backward collectives, and Inductor may reorder
+them. Arguments are plain strings and ints (group name, group size, rank in group)
+so the rewritten FX graph prints and pickles. Uneven dims are padded to a multiple
+of the group size on the way in and narrowed back to ``full`` on the way out.
+
+Version note: the raw ``_c10d_functional`` op names used here (all_reduce,
+all_gather_into_tensor, reduce_scatter_tensor, wait_tensor) are the same in torch
+2.11-2.14; the Python-level wrappers in ``_functional_collectives`` were renamed
+(``*_tensor`` -> ``*_single``), which is why they are not used.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from autopar.placement import take_shard
+
+_ops = torch.ops._c10d_functional
+
+
+def _ar(x: torch.Tensor, group: str) -> torch.Tensor:
+    return _ops.wait_tensor(_ops.all_reduce(x.contiguous(), "sum", group))
+
+
+def _pad_to(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    extra = n - x.shape[dim]
+    if extra == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
+    return F.pad(x, pad)
+
+
+def _ag(x: torch.Tensor, dim: int, group: str, size: int, full: int) -> torch.Tensor:
+    y = x.movedim(dim, 0).contiguous()
+    y = _ops.wait_tensor(_ops.all_gather_into_tensor(y, size, group))
+    return y.movedim(0, dim).narrow(dim, 0, full)
+
+
+def _rs(x: torch.Tensor, dim: int, group: str, size: int) -> torch.Tensor:
+    local = -(-x.shape[dim] // size)
+    y = _pad_to(x, dim, local * size).movedim(dim, 0).contiguous()
+    y = _ops.wait_tensor(_ops.reduce_scatter_tensor(y, "sum", size, group))
+    return y.movedim(0, dim)
+
+
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _ar(g, ctx.group), None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _ar(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, size, rank, full, reduce_grad):
+        ctx.args = (dim, group, size, rank, reduce_grad)
+        return _ag(x, dim, group, size, full)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, group, size, rank, reduce_grad = ctx.args
+        g = _rs(g, dim, group, size) if reduce_grad else take_shard(g, dim, size, rank)
+        return g, None, None, None, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, size):
+        ctx.args = (dim, group, size, x.shape[dim])
+        return _rs(x, dim, group, size)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, group, size, full = ctx.args
+        return _ag(g, dim, group, size, full), None, None, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, size, rank):
+        ctx.args = (dim, group, size, x.shape[dim])
+        return take_shard(x, dim, size, rank)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, group, size, full = ctx.args
+        return _ag(g, dim, group, size, full), None, None, None, None
+
+
+def _interleaved(fn, x: torch.Tensor, dim: int, interleave: int, *args):
+    """Apply a per-dim collective to each of ``interleave`` equal blocks of ``dim``."""
+    if interleave == 1:
+        return fn(x, dim, *args)
+    y = fn(x.unflatten(dim, (interleave, -1)), dim + 1, *args)
+    return y.flatten(dim, dim + 1)
+
+
+def copy_to(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient backward (Megatron's f)."""
+    return _CopyTo.apply(x, group)
+
+
+def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Sum of a partial tensor over the group; identity backward (Megatron's g)."""
+    return _AllReduce.apply(x, group)
+
+
+def all_gather(x: torch.Tensor, dim: int, group: str, size: int, rank: int, full: int,
+               reduce_grad: bool, interleave: int = 1) -> torch.Tensor:
+    """Gather the shards of ``dim`` (global length ``full``, per block if interleaved).
+
+    Backward reduce-scatters the gradient when the consumers' gradients are partial
+    (``reduce_grad``), else keeps this rank's slice of it."""
+    return _interleaved(lambda t, d: _AllGather.apply(t, d, group, size, rank, full, reduce_grad),
+                        x, dim, interleave)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group: str, size: int, interleave: int = 1) -> torch.Tensor:
+    """Sum a partial tensor and keep this rank's shard of ``dim``; all-gather backward."""
+    return _interleaved(lambda t, d: _ReduceScatter.apply(t, d, group, size), x, dim, interleave)
+
+
+def split(x: torch.Tensor, dim: int, group: str, size: int, rank: int, interleave: int = 1) -> torch.Tensor:
+    """Keep this rank's shard of a replicated tensor; all-gather of the gradient backward."""
+    return _interleaved(lambda t, d: _Split.apply(t, d, group, size, rank), x, dim, interleave)
+
+
+COLLECTIVE_FUNCTIONS = (copy_to, all_reduce, all_gather, reduce_scatter, split)
+
+
+def all_reduce_max(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Element-wise max over the group, without gradient (used for softmax stabilisers)."""
+    return _ops.wait_tensor(_ops.all_reduce(x.detach().contiguous(), "max", group))

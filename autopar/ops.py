@@ -1,0 +1,44 @@
+"""Local implementations of ops whose sharded form is not the op itself.
+
+The rewrite pass calls these in place of aten.embedding and aten.cross_entropy_loss
+when the vocabulary is sharded (Megatron's VocabParallelEmbedding and vocab-parallel
+cross-entropy): no rank ever holds the full embedding table or the full logits.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from autopar.collectives import all_reduce, all_reduce_max
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, start: int) -> torch.Tensor:
+    """Rows ``start .. start + len(weight)`` of the table; other ids give zeros (a partial sum)."""
+    outside = (idx < start) | (idx >= start + weight.shape[0])
+    out = F.embedding((idx - start).masked_fill(outside, 0), weight)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: str, start: int,
+                                 vocab: int, reduction: int = 1, ignore_index: int = -100) -> torch.Tensor:
+    """Cross-entropy of (N, V) logits whose columns ``start ..`` live on this rank.
+
+    Three all-reduces of N numbers (row max, row sum of exp, target logit) replace an
+    all-gather of N x V logits. Columns at or past ``vocab`` are padding and masked out.
+    ``reduction``: 0 none, 1 mean over non-ignored targets, 2 sum (aten's encoding)."""
+    n_local = logits.shape[1]
+    cols = torch.arange(start, start + n_local, device=logits.device)
+    logits = logits.masked_fill(cols >= vocab, float("-inf"))
+    z = logits - all_reduce_max(logits.amax(dim=1), group).unsqueeze(1)
+    sum_exp = all_reduce(z.exp().sum(dim=1), group)
+    local = target - start
+    mine = (local >= 0) & (local < n_local)
+    picked = z.gather(1, local.clamp(0, n_local - 1).unsqueeze(1)).squeeze(1)
+    picked = all_reduce(torch.where(mine, picked, torch.zeros_like(picked)), group)
+    valid = target != ignore_index
+    loss = torch.where(valid, sum_exp.log() - picked, torch.zeros_like(picked))
+    if reduction == 0:
+        return loss
+    if reduction == 2:
+        return loss.sum()
+    return loss.sum() / valid.sum()

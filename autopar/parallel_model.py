@@ -1,0 +1,264 @@
+"""ParallelModel: one rank's share of a parallelized model, and its training step."""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+from autopar import collectives as C
+from autopar.mesh import group_name
+from autopar.passes.shard import shard_pass
+from autopar.placement import Shard, local_shape, parse_placement, shard_tensor
+
+
+class ParallelModel:
+    """This rank's local parameter shards and its compiled forward; ``train_step`` runs a step.
+
+    ``parameters()`` are the local shards for any torch optimizer (with ``zero=1`` use
+    ``optimizer(...)``, which shards optimizer state over dp). Gradients after
+    ``train_step`` are averaged over dp and complete (no partial sums) on every rank."""
+
+    def __init__(self, model, cap, strategies, plan, mesh, dmesh, *, compile=True):
+        self.plan = plan
+        self.mesh = mesh
+        self.coords = mesh.coords(dist.get_rank())
+        self._tp_group = group_name(dmesh, "tp")
+        self._dp_pg = dmesh.get_group("dp")
+        gm = cap.gm
+        if mesh.tp > 1:
+            gm = shard_pass(gm, strategies, size=mesh.tp, rank=self.coords["tp"], group=self._tp_group)
+        self.graph_module = gm
+        self._placement = {p.fqn: parse_placement(p.placements["tp"]) for p in plan.parameters}
+        self._aliases = {p.fqn: p.aliases for p in plan.parameters}
+        self._params = _materialize(model, cap, self._placement, mesh.tp, self.coords["tp"])
+        self._buffers = {fqn: b for fqn, b in model.named_buffers() if fqn in cap.buffers}
+        self._slots = [(n.meta.get("kind"), n.meta.get("fqn")) for n in gm.graph.nodes if n.op == "placeholder"]
+        if compile is True:
+            self._fn = torch.compile(gm, backend="inductor")
+        elif isinstance(compile, str):
+            self._fn = torch.compile(gm, backend=compile)
+        else:
+            self._fn = gm
+        self._global_batch = plan.input_shapes[0][0] * mesh.dp * plan.microbatches if plan.input_shapes else None
+        self._zero = _Zero1(self) if plan.zero else None
+
+    # ---- parameters ----------------------------------------------------------------------
+
+    def named_parameters(self):
+        return iter(self._params.items())
+
+    def parameters(self):
+        return iter(self._params.values())
+
+    def optimizer(self, cls=torch.optim.AdamW, **kwargs):
+        """An optimizer over the local shards; with zero=1 its state is also sharded over dp."""
+        if self._zero is not None:
+            return self._zero.make_optimizer(cls, **kwargs)
+        return cls(self.parameters(), **kwargs)
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def __call__(self, *inputs):
+        """Forward only: this rank's loss for one dp-local microbatch."""
+        args, it = [], iter(inputs)
+        for kind, fqn in self._slots:
+            args.append(self._params[fqn] if kind == "param" else self._buffers[fqn] if kind == "buffer"
+                        else next(it))
+        out = self._fn(*args)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def train_step(self, *inputs) -> torch.Tensor:
+        """Forward and backward over all microbatches, then gradient sync over dp.
+
+        Inputs are the global batch (each dp rank takes its slice) or already this dp
+        rank's slice. Returns the loss averaged over microbatches and dp ranks (exactly
+        the full batch's mean loss when every microbatch has the same token count)."""
+        m = self.plan.microbatches
+        inputs = [self._dp_slice(x) for x in inputs]
+        total = 0.0
+        for chunk in zip(*[x.chunk(m) if isinstance(x, torch.Tensor) else [x] * m for x in inputs]):
+            loss = self(*chunk)
+            (loss / m).backward()
+            total = total + loss.detach() / m
+        if self.mesh.dp > 1:
+            total = total.clone()
+            dist.all_reduce(total, group=self._dp_pg)
+            total = total / self.mesh.dp
+            if self._zero is not None:
+                self._zero.reduce_scatter_grads()
+            else:
+                _all_reduce_mean([p.grad for p in self.parameters() if p.grad is not None], self._dp_pg)
+        return total
+
+    def _dp_slice(self, x):
+        if not isinstance(x, torch.Tensor) or self.mesh.dp == 1:
+            return x
+        local = self._global_batch // self.mesh.dp
+        if x.shape[0] == self._global_batch:
+            return x.narrow(0, self.coords["dp"] * local, local)
+        if x.shape[0] == local:
+            return x
+        raise ValueError(f"input batch {x.shape[0]}: expected the global batch {self._global_batch} "
+                         f"or this dp rank's {local}")
+
+    # ---- gradients -----------------------------------------------------------------------
+
+    def _sharded(self, fqn: str) -> bool:
+        return isinstance(self._placement[fqn], Shard) and self.mesh.tp > 1
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so their global norm (over every shard, each counted once) is <= max_norm."""
+        if self._zero is not None:
+            return self._zero.clip_grad_norm_(max_norm)
+        sq = torch.zeros(2)
+        for fqn, p in self._params.items():
+            if p.grad is not None:
+                sq[0 if self._sharded(fqn) else 1] += p.grad.detach().float().pow(2).sum().cpu()
+        norm = self._norm(sq)
+        _scale([p.grad for p in self.parameters() if p.grad is not None], max_norm, norm)
+        return norm
+
+    def _norm(self, sq: torch.Tensor) -> torch.Tensor:
+        """sqrt(sum over tp of sharded squares + replicated squares); sq = [sharded, replicated]."""
+        if self.mesh.tp > 1:
+            sq[0] = C.all_reduce(sq[0:1].to(_comm_device()), self._tp_group).cpu()[0]
+        return sq.sum().sqrt()
+
+    # ---- state ---------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered to its full shape (tied names included), on CPU; loads into the
+        unsharded model with ``load_state_dict(strict=False)`` (buffers are not included)."""
+        out = {}
+        with torch.no_grad():
+            for fqn, p in self._params.items():
+                full = next(q.shape for q in self.plan.parameters if q.fqn == fqn)
+                pl = self._placement[fqn]
+                x = p.detach()
+                if self._sharded(fqn):
+                    x = C.all_gather(x.to(_comm_device()), pl.dim, self._tp_group, self.mesh.tp,
+                                     self.coords["tp"], full[pl.dim] // pl.interleave, False, pl.interleave)
+                for name in (fqn, *self._aliases[fqn]):
+                    out[name] = x.cpu().clone()
+        return out
+
+
+def _comm_device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _all_reduce_mean(tensors, group):
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(piece.view_as(t))
+
+
+def _scale(tensors, max_norm, norm):
+    coef = max_norm / (float(norm) + 1e-6)
+    if coef < 1:
+        for t in tensors:
+            t.mul_(coef)
+
+
+def _materialize(model, cap, placements, size: int, rank: int) -> dict[str, torch.nn.Parameter]:
+    """Local shards: sliced from real weights, or for a meta model initialised shard by shard."""
+    full = dict(model.named_parameters())
+    dev = _comm_device() if torch.cuda.is_available() else torch.device("cpu")
+    out = {}
+    for fqn, node in cap.params.items():
+        p, pl = full[fqn], placements[fqn]
+        if p.is_meta:
+            init = getattr(model, "init_parameter", None)
+            if init is None:
+                raise ValueError(f"{fqn} is on the meta device and {type(model).__name__} has no "
+                                 "init_parameter(fqn, tensor) method; build the model on a real device "
+                                 "or give it one")
+            local = torch.empty(local_shape(p.shape, pl, size), dtype=p.dtype, device=dev)
+            seed = int(hashlib.sha256(f"{fqn}/{rank}".encode()).hexdigest()[:8], 16)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                init(fqn, local)
+        else:
+            local = shard_tensor(p.detach().to(dev), pl, size, rank)
+        out[fqn] = torch.nn.Parameter(local, requires_grad=p.requires_grad)
+    return out
+
+
+class _Zero1:
+    """ZeRO stage 1: each dp rank keeps optimizer state for 1/dp of a flat copy of the shards.
+
+    After backward the gradients are reduce-scattered (averaged) into this rank's slice;
+    the optimizer updates that slice; an all-gather rebuilds every local parameter."""
+
+    def __init__(self, pm: ParallelModel):
+        self.pm = pm
+        self.params = list(pm._params.values())
+        self.sizes = [p.numel() for p in self.params]
+        n, dp = sum(self.sizes), pm.mesh.dp
+        self.chunk = -(-n // dp)
+        self.total = self.chunk * dp
+        self.lo = pm.coords["dp"] * self.chunk
+        mask = torch.cat([torch.full((p.numel(),), float(pm._sharded(f)))
+                          for f, p in pm._params.items()] + [torch.zeros(self.total - n)])
+        self.sharded_mask = mask[self.lo:self.lo + self.chunk]
+        self.shard = torch.nn.Parameter(self._flat(self.params)[self.lo:self.lo + self.chunk].clone())
+
+    def _flat(self, tensors):
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        return torch.nn.functional.pad(flat, (0, self.total - flat.numel()))
+
+    def make_optimizer(self, cls, **kwargs):
+        return _Zero1Optimizer(self, cls([self.shard], **kwargs))
+
+    def reduce_scatter_grads(self):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = self._flat(grads)
+        out = torch.empty(self.chunk, dtype=flat.dtype, device=flat.device)
+        dist.reduce_scatter_tensor(out, flat, group=self.pm._dp_pg)
+        self.shard.grad = out / self.pm.mesh.dp
+        for p in self.params:
+            p.grad = None   # the full gradients are not kept: that is ZeRO's saving
+
+    def clip_grad_norm_(self, max_norm):
+        g = self.shard.grad.float()
+        sq = torch.stack([(g.pow(2) * self.sharded_mask).sum(), (g.pow(2) * (1 - self.sharded_mask)).sum()])
+        dist.all_reduce(sq, group=self.pm._dp_pg)
+        norm = self.pm._norm(sq)
+        _scale([self.shard.grad], max_norm, norm)
+        return norm
+
+    def all_gather_params(self):
+        flat = torch.empty(self.total, dtype=self.shard.dtype, device=self.shard.device)
+        dist.all_gather_into_tensor(flat, self.shard.detach().contiguous(), group=self.pm._dp_pg)
+        with torch.no_grad():
+            for p, piece in zip(self.params, flat[:sum(self.sizes)].split(self.sizes)):
+                p.copy_(piece.view_as(p))
+
+
+class _Zero1Optimizer:
+    """A torch optimizer over this rank's flat slice, followed by the parameter all-gather."""
+
+    def __init__(self, zero: _Zero1, inner: torch.optim.Optimizer):
+        self.zero, self.inner = zero, inner
+        self.param_groups = inner.param_groups
+
+    def step(self):
+        self.inner.step()
+        self.zero.all_gather_params()
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.inner.zero_grad(set_to_none=set_to_none)
+        for p in self.zero.params:
+            p.grad = None
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)

@@ -1,0 +1,217 @@
+"""Plan: everything autopar decided, as frozen data with a JSON round trip.
+
+A plan names parameters by FQN and graph nodes by their export names (with module
+paths for people). It is what the passes carry out, so an edited plan file runs
+exactly as written; ``autopar.planner.strategies_from_plan`` checks it against the model.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+
+PLAN_VERSION = 1
+
+
+class PlanFormatError(ValueError):
+    """A plan file that is malformed or does not fit the model; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """One parameter: global shape, placement per mesh axis, this rank's shape."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    placements: dict[str, str]          # axis -> "R" | "S(0)" | "S(0)i3"; dp shows ZeRO sharding
+    local_shape: tuple[int, ...]
+    aliases: tuple[str, ...] = ()       # other FQNs of the same (tied) tensor
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """One graph node's strategy on the tp axis."""
+
+    name: str
+    op: str
+    module: str
+    inputs: tuple[str, ...]
+    output: str
+    local: str | None = None
+
+
+@dataclass(frozen=True)
+class CollectivePlan:
+    """Collectives of one kind issued at one place per training step."""
+
+    kind: str
+    axis: str
+    phase: str          # "fwd", "bwd" or "step" (gradient/optimizer sync)
+    where: str          # module path
+    count: int
+    bytes: int          # per step, all counted instances together (full tensor sizes)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete parallelization decision for one model, mesh and input shape."""
+
+    mesh: tuple[int, int, int]
+    input_shapes: tuple[tuple[int, ...], ...]   # one microbatch on one dp rank
+    sequence_parallel: bool
+    zero: int
+    microbatches: int
+    device: str
+    parameters: tuple[ParamPlan, ...]
+    nodes: tuple[NodePlan, ...]
+    collectives: tuple[CollectivePlan, ...]
+    predicted_compute_s: float
+    predicted_comm_s: float
+    solve_seconds: float = 0.0
+    source: str = "auto"
+    version: int = PLAN_VERSION
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def predicted_step_time(self) -> float:
+        """Seconds per training step: compute plus (unoverlapped) communication."""
+        return self.predicted_compute_s + self.predicted_comm_s
+
+    def param(self, fqn: str) -> ParamPlan:
+        for p in self.parameters:
+            if p.fqn == fqn or fqn in p.aliases:
+                return p
+        raise KeyError(fqn)
+
+    # ---- JSON --------------------------------------------------------------------------
+
+    def to_json(self, path=None) -> str:
+        """The plan as JSON text; also written to ``path`` when given."""
+        text = json.dumps(asdict(self), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, path_or_str) -> "Plan":
+        """Read a plan from a JSON file path or a JSON string, checking every field's type."""
+        text = str(path_or_str)
+        if not text.lstrip().startswith("{"):
+            try:
+                text = Path(path_or_str).read_text()
+            except OSError as e:
+                raise PlanFormatError(f"cannot read plan file {path_or_str}: {e}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanFormatError(f"plan is not valid JSON: {e}") from None
+        return _build(cls, data, "plan")
+
+    # ---- text --------------------------------------------------------------------------
+
+    def summary(self) -> str:
+        """A readable account: mesh, parameters and their placements, collectives per layer, times."""
+        dp, pp, tp = self.mesh
+        lines = [f"autopar plan ({self.source}) for mesh dp={dp} pp={pp} tp={tp} on {self.device}",
+                 f"  microbatch input shapes {list(map(list, self.input_shapes))}, microbatches "
+                 f"{self.microbatches}, sequence parallel {'on' if self.sequence_parallel else 'off'}, "
+                 f"ZeRO-{self.zero}",
+                 "  placements: R replicated, P partial sum, S(d) sharded on dim d, "
+                 "S(d)ik interleaved: dim d is k blocks (fused q,k,v) and each rank holds its slice of each",
+                 "", "Parameters (placement per axis, local shape):"]
+        for p in _collapse_layers(self.parameters):
+            pl = " ".join(f"{a}={v}" for a, v in p.placements.items())
+            alias = f"  (tied: {', '.join(p.aliases)})" if p.aliases else ""
+            lines.append(f"  {p.fqn:44s} {str(list(p.shape)):16s} {pl:22s} {list(p.local_shape)}{alias}")
+        lines += ["", "Collectives per step (count, MiB, by place):"]
+        for c in _collapse_collectives(self.collectives):
+            lines.append(f"  {c.where:44s} {c.phase:4s} {c.kind:15s} {c.axis:3s} x{c.count:<5d} "
+                         f"{c.bytes / 2**20:10.2f} MiB")
+        lines += ["", f"Predicted step time {self.predicted_step_time * 1e3:.3f} ms "
+                      f"(compute {self.predicted_compute_s * 1e3:.3f} ms, "
+                      f"communication {self.predicted_comm_s * 1e3:.3f} ms); solved in {self.solve_seconds:.2f} s"]
+        lines += [f"Note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _layer_key(name: str) -> str:
+    import re
+    return re.sub(r"\.(\d+)\.", ".*.", name, count=1)
+
+
+def _collapse_layers(params):
+    """Show repeated layers once (h.*.attn...) when every layer has the same plan."""
+    groups = defaultdict(list)
+    for p in params:
+        groups[_layer_key(p.fqn)].append(p)
+    out = []
+    for key, ps in groups.items():
+        same = all((q.placements, q.local_shape) == (ps[0].placements, ps[0].local_shape) for q in ps)
+        if len(ps) > 1 and same:
+            out.append(ParamPlan(f"{key} (x{len(ps)})", ps[0].shape, ps[0].placements, ps[0].local_shape))
+        else:
+            out.extend(ps)
+    return out
+
+
+def _collapse_collectives(colls):
+    groups = defaultdict(lambda: [0, 0])
+    for c in colls:
+        k = (_layer_key(c.where + "."), c.phase, c.kind, c.axis)
+        groups[k][0] += c.count
+        groups[k][1] += c.bytes
+    return [CollectivePlan(kind, axis, phase, where.rstrip("."), n, b)
+            for (where, phase, kind, axis), (n, b) in groups.items()]
+
+
+def _build(cls, data, where: str):
+    """Construct dataclass ``cls`` from JSON ``data``, naming the bad field on error."""
+    if not isinstance(data, dict):
+        raise PlanFormatError(f"{where}: expected an object, got {type(data).__name__}")
+    kwargs = {}
+    for f in fields(cls):
+        name = f"{where}.{f.name}"
+        if f.name not in data:
+            if f.default is not MISSING or f.default_factory is not MISSING:
+                continue
+            raise PlanFormatError(f"{name} is missing")
+        kwargs[f.name] = _convert(f.type, data[f.name], name)
+    extra = set(data) - {f.name for f in fields(cls)}
+    if extra:
+        raise PlanFormatError(f"{where}: unknown field(s) {', '.join(sorted(extra))}")
+    return cls(**kwargs)
+
+
+_NESTED = {"ParamPlan": ParamPlan, "NodePlan": NodePlan, "CollectivePlan": CollectivePlan}
+
+
+def _convert(tp: str, value, name: str):
+    tp = str(tp).replace(" ", "")
+    for key, sub in _NESTED.items():
+        if tp.startswith(f"tuple[{key},"):
+            if not isinstance(value, list):
+                raise PlanFormatError(f"{name}: expected a list")
+            return tuple(_build(sub, v, f"{name}[{i}]") for i, v in enumerate(value))
+    checks = {"str": str, "int": int, "float": (int, float), "bool": bool}
+    if tp in checks:
+        if not isinstance(value, checks[tp]) or (tp != "bool" and isinstance(value, bool)):
+            raise PlanFormatError(f"{name}: expected {tp}, got {value!r}")
+        return float(value) if tp == "float" else value
+    if tp == "str|None":
+        if value is not None and not isinstance(value, str):
+            raise PlanFormatError(f"{name}: expected a string or null, got {value!r}")
+        return value
+    if tp.startswith("tuple[") or tp.startswith("dict["):
+        if tp.startswith("dict["):
+            if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+                raise PlanFormatError(f"{name}: expected an object of strings")
+            return dict(value)
+        if not isinstance(value, list):
+            raise PlanFormatError(f"{name}: expected a list, got {value!r}")
+        inner = tp[len("tuple["):-1]
+        if inner.startswith("tuple[int"):
+            return tuple(_convert("tuple[int,...]", v, f"{name}[{i}]") for i, v in enumerate(value))
+        kind = inner.split(",")[0]
+        return tuple(_convert(kind, v, f"{name}[{i}]") for i, v in enumerate(value))
+    raise AssertionError(f"unhandled plan field type {tp}")

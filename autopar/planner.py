@@ -1,0 +1,356 @@
+"""The tensor-parallel planner: one strategy per node, chosen by an ILP over the cost model.
+
+For every node the sharding rules list strategies; the cost of a strategy is its
+compute time (divided as the strategy divides the work) plus the collectives inside
+it; the cost of an edge is the collectives that move the producer's placement into
+the one the consumer asks for, forward and backward (``passes.reshard``). The ILP
+(``autopar.ilp``) picks the cheapest consistent assignment.
+
+Repeated transformer blocks are solved once: the ILP sees the non-block nodes plus
+one block whose node and internal-edge costs are multiplied by the block count L,
+plus a loop edge from the block's output back to its input consumers weighted L-1
+(block i's output feeds block i+1). That is exact over assignments that repeat
+per block, and the ILP's size no longer grows with depth.
+"""
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.fx import Node
+
+from autopar.cost_model import collective_time, compute_time, node_bytes, node_flops
+from autopar.ilp import solve_strategies
+from autopar.passes.capture import Captured
+from autopar.passes.reshard import ReshardError, reshard_steps, step_collectives
+from autopar.passes.rules import POINTWISE, RuleContext, Strategy, dim_labels, is_float, shape, strategies_for
+from autopar.placement import R, Placement, Shard
+
+aten = torch.ops.aten
+_FREE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
+         aten.permute.default, aten.t.default, aten.split.Tensor, aten.split_with_sizes.default,
+         aten.chunk.default, aten.alias.default, aten.detach.default}
+
+
+# Fixed host-side cost of issuing one collective (kernel launch, stream sync). Besides being
+# real, it decides ties: ring all-reduce moves the same bytes as reduce-scatter + all-gather.
+LAUNCH_OVERHEAD = 2e-6
+
+
+class PlanError(ValueError):
+    """The model cannot be planned on this mesh; the message says why and what would work."""
+
+
+@dataclass
+class Assignment:
+    """The planner's answer: a strategy per node, and how long the ILP took."""
+
+    strategies: dict[Node, Strategy]
+    options: dict[Node, list[Strategy]]
+    solve_seconds: float
+    objective: float
+
+
+def tensor_bytes(node: Node) -> float:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return float(sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor)))
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_tp(cap: Captured, tp: int) -> None:
+    """Fail early, with the valid choices, when tp cannot split the attention heads or hidden size."""
+    for node in cap.gm.graph.nodes:
+        if node.target is aten.scaled_dot_product_attention.default:
+            heads, head_dim = shape(node.args[0])[1], shape(node.args[0])[-1]
+            kv_heads = shape(node.args[1])[1]
+            if heads % tp or kv_heads % tp:
+                valid = [d for d in divisors(heads) if kv_heads % d == 0]
+                raise PlanError(f"tp={tp} does not divide {heads} attention heads"
+                                + (f" ({kv_heads} key/value heads)" if kv_heads != heads else "")
+                                + f" in {node.meta.get('module_path') or 'the model'}; "
+                                f"valid tp for this model: {', '.join(map(str, valid))}")
+            hidden = heads * head_dim
+            if hidden % tp:
+                raise PlanError(f"tp={tp} does not divide the hidden size {hidden}; "
+                                f"valid tp: {', '.join(map(str, divisors(hidden)))}")
+
+
+def enumerate_strategies(cap: Captured, tp: int, sequence_parallel) -> dict[Node, list[Strategy]]:
+    """Candidate strategies per node, with the sequence-parallel choice applied."""
+    g = cap.gm.graph
+    chunks = {len(n.meta["val"]) for n in g.nodes if n.target in (aten.split.Tensor, aten.chunk.default)
+              and len({tuple(v.shape) for v in n.meta["val"]}) == 1}
+    labels = dim_labels(cap.gm, cap.inputs)
+    ctx = RuleContext(tp, tuple(sorted({1} | chunks)), labels)
+
+    def seq_sharded(p: Placement, node: Node) -> bool:
+        return isinstance(p, Shard) and labels.get(node, ())[p.dim:p.dim + 1] == ("seq",)
+
+    options: dict[Node, list[Strategy]] = {}
+    for node in g.nodes:
+        if node.op == "call_function" and tp == 1:
+            opts = [Strategy(tuple(R for _ in node.all_input_nodes), R)]
+            options[node] = opts
+        elif node.op == "call_function":
+            opts = strategies_for(node, ctx)
+            if sequence_parallel is False:
+                opts = [s for s in opts if not seq_sharded(s.output, node)
+                        and not any(seq_sharded(p, i) for p, i in zip(s.inputs, node.all_input_nodes))]
+            elif sequence_parallel is True and node.target is aten.layer_norm.default:
+                opts = [s for s in opts if seq_sharded(s.output, node)] or opts
+            options[node] = opts
+        elif node.op == "placeholder":
+            options[node] = [Strategy((), R)]
+    for node, fqn in ((n, n.meta["fqn"]) for n in cap.params.values()):
+        wanted = {R}
+        for user in node.users:
+            for s in options.get(user, []):
+                wanted.update(p for p, i in zip(s.inputs, user.all_input_nodes) if i is node)
+        options[node] = [Strategy((), p) for p in sorted(wanted, key=str)]
+    return options
+
+
+def _block_of(path: str) -> tuple[str, int] | None:
+    m = re.match(r"^(.*?)\.(\d+)(\.|$)", path)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def find_blocks(cap: Captured) -> list[list[Node]] | None:
+    """The repeated blocks (nodes per block, in order) if the graph has identical ones."""
+    blocks: dict[int, list[Node]] = {}
+    prefix = None
+    for node in cap.gm.graph.nodes:
+        key = _block_of(node.meta.get("module_path") or "")
+        if node.op == "placeholder" and node.meta.get("kind") == "param":
+            key = _block_of(node.meta["fqn"])
+        if key is None:
+            continue
+        if prefix not in (None, key[0]):
+            return None
+        prefix = key[0]
+        blocks.setdefault(key[1], []).append(node)
+    if len(blocks) < 2 or sorted(blocks) != list(range(len(blocks))):
+        return None
+    ordered = [blocks[i] for i in range(len(blocks))]
+
+    def signature(nodes: list[Node]):
+        index = {n: k for k, n in enumerate(nodes)}
+        return [(n.op, str(n.target) if n.op == "call_function" else "", shape(n) if n.op != "output" and "val" in n.meta else None,
+                 tuple(index.get(i, -1) for i in n.all_input_nodes)) for n in nodes]
+    first = signature(ordered[0])
+    if any(signature(b) != first for b in ordered[1:]):
+        return None
+    return ordered
+
+
+def solve(cap: Captured, options: dict[Node, list[Strategy]], tp: int, dev, *,
+          inter_node: bool = False, memory_budget: float | None = None,
+          param_state_bytes: float = 4.0) -> Assignment:
+    """Choose a strategy per node minimising predicted step time (ILP, blocks solved once).
+
+    Every node and edge of the full graph is charged to its twin in block 0, so a
+    block's internal edges count L times and the block-to-block edges L-1 times.
+    ``param_state_bytes``: bytes of parameter + gradient + optimizer state held per
+    parameter byte, for the optional per-rank ``memory_budget``."""
+    g = cap.gm.graph
+    rep: dict[Node, Node] = {n: n for n in options}
+    blocks = find_blocks(cap) or []
+    for block in blocks:
+        rep.update(zip(block, blocks[0]))
+    nodes = [n for n in options if rep[n] is n]
+    ids = {n: k for k, n in enumerate(nodes)}
+    mult = Counter(rep[n] for n in options)
+    uses = Counter((rep[p], rep[c], slot) for c in g.nodes if c.op == "call_function"
+                   for slot, p in enumerate(c.all_input_nodes))
+
+    node_costs = [mult[n] * np.array([_strategy_time(n, s, tp, dev, inter_node) for s in options[n]])
+                  for n in nodes]
+    memory = None
+    if memory_budget is not None:
+        memory = [mult[n] * np.array([_param_memory(n, s, tp, param_state_bytes) for s in options[n]])
+                  for n in nodes]
+    edges = [(ids[p], ids[c], k * _edge_matrix(p, c, slot, options, tp, dev, inter_node))
+             for (p, c, slot), k in uses.items()]
+    t0 = time.perf_counter()
+    sol = solve_strategies(node_costs, edges, node_memory=memory, memory_budget=memory_budget)
+    seconds = time.perf_counter() - t0
+    return Assignment({n: options[n][sol.choice[ids[rep[n]]]] for n in options},
+                      options, seconds, sol.objective)
+
+
+def _edge_matrix(producer: Node, consumer: Node, slot: int, options, tp, dev, inter_node) -> np.ndarray:
+    srcs, dsts = options[producer], options[consumer]
+    nbytes = tensor_bytes(consumer if isinstance(producer.meta.get("val"), (list, tuple)) else producer)
+    fl = is_float(producer)
+    tuple_out = isinstance(producer.meta.get("val"), (list, tuple))
+    m = np.zeros((len(srcs), len(dsts)))
+    cache: dict = {}
+    for i, a in enumerate(srcs):
+        for j, b in enumerate(dsts):
+            key = (a.output, b.inputs[slot], b.divergent(slot) and fl)
+            if tuple_out and key[0] != key[1]:
+                m[i, j] = np.inf   # a multi-output op's pieces are taken as they are
+                continue
+            if key not in cache:
+                try:
+                    steps = reshard_steps(*key)
+                    cache[key] = sum(collective_time(kind, nbytes, tp, dev, inter_node) + LAUNCH_OVERHEAD
+                                     for _, kind in step_collectives(steps, fl))
+                except ReshardError:
+                    cache[key] = np.inf
+            m[i, j] = cache[key]
+    return m
+
+
+_flop_cache: dict = {}
+
+
+def _strategy_time(node: Node, s: Strategy, tp: int, dev, inter_node: bool, with_comm: bool = True) -> float:
+    if node.op != "call_function" or node.target in _FREE:
+        return 0.0
+    if node not in _flop_cache:
+        fwd, bwd = node_flops(node)
+        # Inductor fuses chains of pointwise ops, so one costs about a write of its output
+        # forward and one backward; other ops read and write their tensors, backward ~2x.
+        traffic = 2 * tensor_bytes(node) if node.target in POINTWISE else 3 * node_bytes(node)
+        _flop_cache[node] = (fwd + bwd, traffic)
+    flops, nbytes = _flop_cache[node]
+    val = node.meta["val"]
+    dtype = val.dtype if isinstance(val, torch.Tensor) else torch.float32
+    t = compute_time(flops / s.divisor, nbytes / s.divisor, dev, dtype)
+    rows = shape(node.args[0])[0] if s.comm and with_comm else 0
+    return t + sum(collective_time(kind, rows * 4, tp, dev, inter_node) for kind, _ in s.comm)
+
+
+def _param_memory(node: Node, s: Strategy, tp: int, state_bytes: float) -> float:
+    split = tp if isinstance(s.output, Shard) else 1
+    return tensor_bytes(node) * state_bytes / split
+
+
+# ---- from an assignment to a Plan, and back ------------------------------------------------
+
+def _op_name(node: Node) -> str:
+    return getattr(node.target, "__name__", str(node.target)) if node.op == "call_function" else node.op
+
+
+def tp_collectives(cap: Captured, strategies: dict[Node, Strategy]):
+    """(phase, kind, where, bytes) of every tp collective the rewrite will emit."""
+    out, seen = [], set()
+    for c in cap.gm.graph.nodes:
+        if c.op == "output":
+            pairs = [(p, R, False) for p in c.all_input_nodes]
+        elif c.op == "call_function":
+            s = strategies[c]
+            pairs = [(p, s.inputs[k], s.divergent(k) and is_float(p)) for k, p in enumerate(c.all_input_nodes)]
+            rows = shape(c.args[0])[0] if s.comm else 0
+            out += [("fwd", kind, c.meta.get("module_path", ""), rows * 4) for kind, _ in s.comm]
+        else:
+            continue
+        for p, dst, div in pairs:
+            if (p, dst, div) in seen:
+                continue
+            seen.add((p, dst, div))
+            steps = reshard_steps(strategies[p].output, dst, div)
+            nbytes = tensor_bytes(c if isinstance(p.meta.get("val"), (list, tuple)) else p)
+            where = c.meta.get("module_path", "") or p.meta.get("module_path", "")
+            out += [(phase, kind, where, nbytes) for phase, kind in step_collectives(steps, is_float(p))]
+    return out
+
+
+def build_plan(cap: Captured, assignment: Assignment, mesh, dev, *, sequence_parallel: bool,
+               zero: int, microbatches: int, source: str, gpus_per_node: int = 8):
+    """Turn the chosen strategies into a ``Plan`` with placements, collectives and predicted times."""
+    from autopar.cost_model import axis_is_inter_node
+    from autopar.plan import CollectivePlan, NodePlan, ParamPlan, Plan
+    from autopar.placement import local_shape
+
+    strategies = assignment.strategies
+    tp, dp = mesh.tp, mesh.dp
+    tp_inter = axis_is_inter_node(tp, 1, gpus_per_node)
+    dp_inter = axis_is_inter_node(dp, mesh.pp * tp, gpus_per_node)
+    params, local_bytes = [], 0.0
+    for fqn, node in cap.params.items():
+        pl = strategies[node].output
+        full = shape(node)
+        loc = local_shape(full, pl, tp)
+        local_bytes += float(np.prod(loc)) * node.meta["val"].element_size()
+        params.append(ParamPlan(fqn, full, {"dp": "S(0)" if zero and dp > 1 else "R", "tp": str(pl)},
+                                loc, tuple(cap.aliases.get(fqn, ()))))
+    nodes = tuple(NodePlan(n.name, _op_name(n), n.meta.get("module_path", ""),
+                           tuple(map(str, strategies[n].inputs)), str(strategies[n].output),
+                           strategies[n].local)
+                  for n in cap.gm.graph.nodes if n.op == "call_function")
+    m = microbatches
+    agg: dict[tuple, list] = {}
+    for phase, kind, where, nbytes in tp_collectives(cap, strategies) if tp > 1 else []:
+        a = agg.setdefault((kind, "tp", phase, where), [0, 0.0])
+        a[0] += m
+        a[1] += nbytes * m
+    comm = sum(collective_time(k, b / n, tp, dev, tp_inter) * n for (k, _, _, _), (n, b) in agg.items())
+    if dp > 1:
+        kinds = ["reduce_scatter", "all_gather"] if zero else ["all_reduce"]
+        for kind in kinds:
+            agg[(kind, "dp", "step", "(all parameters)")] = [1, local_bytes]
+            comm += collective_time(kind, local_bytes, dp, dev, dp_inter)
+    compute = m * sum(_strategy_time(n, s, tp, dev, tp_inter, False) for n, s in strategies.items())
+    colls = tuple(CollectivePlan(k, axis, ph, w, n, int(b)) for (k, axis, ph, w), (n, b) in agg.items())
+    input_shapes = tuple(shape(i) for i in cap.inputs)
+    return Plan((mesh.dp, mesh.pp, mesh.tp), input_shapes, bool(sequence_parallel), zero, m, dev.name,
+                tuple(params), nodes, colls, compute, comm, assignment.solve_seconds, source)
+
+
+def strategies_from_plan(cap: Captured, options: dict[Node, list[Strategy]], plan) -> dict[Node, Strategy]:
+    """The strategy per node a (possibly hand-edited) plan asks for, checked against the model."""
+    from autopar.plan import PlanFormatError
+    from autopar.placement import parse_placement
+
+    by_name = {n.name: n for n in cap.gm.graph.nodes}
+    chosen: dict[Node, Strategy] = {n: options[n][0] for n in options}
+    for i, p in enumerate(plan.parameters):
+        node = cap.params.get(p.fqn)
+        if node is None:
+            raise PlanFormatError(f"plan.parameters[{i}].fqn: the model has no parameter {p.fqn!r}")
+        if tuple(p.shape) != shape(node):
+            raise PlanFormatError(f"plan.parameters[{i}] ({p.fqn}): shape {list(p.shape)} does not match "
+                                  f"the model's {list(shape(node))}")
+        try:
+            pl = parse_placement(p.placements.get("tp", "R"))
+        except ValueError as e:
+            raise PlanFormatError(f"plan.parameters[{i}].placements.tp ({p.fqn}): {e}") from None
+        chosen[node] = Strategy((), pl)
+    missing = set(cap.params) - {p.fqn for p in plan.parameters}
+    if missing:
+        raise PlanFormatError(f"plan.parameters: no entry for {', '.join(sorted(missing))}")
+    for i, np_ in enumerate(plan.nodes):
+        node = by_name.get(np_.name)
+        where = f"plan.nodes[{i}] ({np_.name} in {np_.module or 'the top level'})"
+        if node is None or _op_name(node) != np_.op:
+            raise PlanFormatError(f"{where}: the model's graph has no {np_.op} node of that name")
+        match = [s for s in options[node] if tuple(map(str, s.inputs)) == tuple(np_.inputs)
+                 and str(s.output) == np_.output]
+        if not match:
+            valid = "; ".join(str(s) for s in options[node])
+            raise PlanFormatError(f"{where}: no strategy ({', '.join(np_.inputs)}) -> {np_.output}; "
+                                  f"valid: {valid}")
+        chosen[node] = match[0]
+    for node in options:
+        if node.op == "call_function" and node.name not in {n.name for n in plan.nodes}:
+            raise PlanFormatError(f"plan.nodes: no entry for node {node.name} "
+                                  f"({node.meta.get('module_path') or 'top level'})")
+    return chosen
+
+
+def pin_parameters(options: dict[Node, list[Strategy]], cap: Captured, placements: dict[str, Placement]):
+    """Options with each named parameter's placement fixed (the hand-written plans)."""
+    out = dict(options)
+    for fqn, pl in placements.items():
+        out[cap.params[fqn]] = [Strategy((), pl)]
+    return out

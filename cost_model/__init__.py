@@ -1,0 +1,22 @@
+"""Cost model: prices every candidate the planner considers, in seconds and bytes.
+
+- Devices (``DeviceSpec``, ``DEVICES``, ``get_device``): peak dense FLOP/s per dtype, HBM
+  bandwidth and size, and two network tiers (NVLink inside a node, InfiniBand between nodes),
+  from data-sheet presets or a calibrated JSON profile.
+- Communication (``collective_time``): alpha-beta model of ring collectives. For n ranks and a
+  full tensor of B bytes, all-reduce moves 2(n-1)/n * B per rank in 2(n-1) steps; all-gather,
+  reduce-scatter and all-to-all move (n-1)/n * B in n-1 steps; time = bytes / bw + steps * alpha.
+  An axis whose ranks span nodes (``axis_is_inter_node``) is priced at the inter-node tier.
+- Compute (``op_flops``, ``node_flops``, ``node_bytes``, ``compute_time``): FLOPs from PyTorch's
+  flop counter on meta tensors, bytes from the FX node's tensor metadata, and a roofline time
+  max(FLOPs / (peak * matmul_efficiency), bytes / HBM bandwidth).
+"""
+from .comm import axis_is_inter_node, collective_bytes_on_wire, collective_time
+from .compute import compute_time, node_bytes, node_flops, op_flops
+from .devices import DEVICES, DeviceSpec, get_device
+
+__all__ = [
+    "DeviceSpec", "DEVICES", "get_device",
+    "collective_time", "collective_bytes_on_wire", "axis_is_inter_node",
+    "op_flops", "node_flops", "node_bytes", "compute_time",
+]

@@ -1,0 +1,70 @@
+"""Alpha-beta costs of ring collectives on one mesh axis.
+
+For ``n`` ranks on a ring, each rank sends ``(n-1)/n`` of the full tensor in ``n-1`` steps for
+all-gather, reduce-scatter and all-to-all, and twice that (a reduce-scatter then an all-gather)
+for all-reduce. Time = bytes_on_wire / bw + steps * alpha, with (bw, alpha) the intra-node
+(NVLink) or inter-node (InfiniBand) tier. A ring is as fast as its slowest link, so an axis that
+spans nodes is priced entirely at the inter-node tier.
+"""
+from __future__ import annotations
+
+from .devices import DeviceSpec
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+# How many ring passes each collective makes: it scales both the (n-1)/n bytes and the n-1 steps.
+_RING = {
+    "all_reduce": 2,
+    "all_gather": 1,
+    "reduce_scatter": 1,
+    "all_to_all": 1,
+}
+
+
+def _check(kind: str, n: int) -> int:
+    if kind not in _RING:
+        raise ValueError(f"unknown collective {kind!r}; known: {', '.join(COLLECTIVES)}")
+    if int(n) != n or n < 1:
+        raise ValueError(f"collective group size must be a positive integer, got {n!r}")
+    return _RING[kind]
+
+
+def collective_bytes_on_wire(kind: str, nbytes: float, n: int) -> float:
+    """Bytes each rank sends for a ring ``kind`` over ``n`` ranks of a FULL tensor of ``nbytes``.
+
+    ``nbytes`` is the all-reduce input, the all-gather output, the reduce-scatter input, the
+    all-to-all input: 2(n-1)/n * nbytes for all-reduce, (n-1)/n * nbytes for the others."""
+    mult = _check(kind, n)
+    if n == 1:
+        return 0.0
+    return mult * (n - 1) / n * float(nbytes)
+
+
+def collective_time(kind: str, nbytes: float, n: int, dev: DeviceSpec,
+                    inter_node: bool = False) -> float:
+    """Seconds for a ring ``kind`` ("all_reduce", "all_gather", "reduce_scatter",
+    "all_to_all") of a FULL tensor of ``nbytes`` over ``n`` ranks on ``dev``'s network.
+
+    Uses the inter-node tier when ``inter_node`` is true (see ``axis_is_inter_node``).
+    A group of one rank costs nothing."""
+    mult = _check(kind, n)
+    if n == 1:
+        return 0.0
+    bw = dev.inter_node_bw if inter_node else dev.intra_node_bw
+    alpha = dev.inter_node_latency if inter_node else dev.intra_node_latency
+    return collective_bytes_on_wire(kind, nbytes, n) / bw + mult * (n - 1) * alpha
+
+
+def axis_is_inter_node(axis_size: int, inner_size: int, gpus_per_node: int) -> bool:
+    """Whether a mesh axis of ``axis_size`` ranks, ``inner_size`` apart, spans several nodes.
+
+    ``inner_size`` is the product of the sizes of the axes inside this one (1 for tp, the
+    innermost axis; tp for pp; pp*tp for dp). Ranks are numbered node by node, so the axis'
+    members fit in one node iff ``axis_size * inner_size <= gpus_per_node``. An axis of size 1
+    never communicates and is reported as intra-node."""
+    if axis_size < 1 or inner_size < 1 or gpus_per_node < 1:
+        raise ValueError(f"axis_size, inner_size and gpus_per_node must be >= 1, got "
+                         f"{axis_size}, {inner_size}, {gpus_per_node}")
+    if axis_size == 1:
+        return False
+    return axis_size * inner_size > gpus_per_node

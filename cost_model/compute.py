@@ -1,0 +1,221 @@
+"""FLOPs, bytes and roofline time of single aten ops and of torch.export FX nodes.
+
+FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` run on meta tensors, so the
+counting formulas are PyTorch's own (matmuls, attention, convolutions) and no memory is touched.
+Ops without a formula (layer_norm, gelu, views, ...) count 0 FLOPs and are priced by the bytes
+they move instead. Results are cached by (op, shapes, dtypes, other args): a GPT's blocks repeat
+the same ~40 signatures, so a whole model costs only a few dozen meta executions.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import warnings
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx.node import map_arg
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from .devices import DeviceSpec
+
+_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+_CACHE: dict[Any, tuple[float, float]] = {}
+_CACHE_MAX = 8192
+
+
+def _hint(x: Any) -> Any:
+    """A concrete Python number for a symbolic one (its size hint), else ``x`` unchanged."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        hint = x.node.hint
+        if hint is None:
+            # Unbacked symbols have no hint; the shape env may still know a value.
+            hint = x.node.shape_env.size_hint(x.node.expr, allow_none=True)
+        if hint is None:
+            raise ValueError(f"cannot price a symbolic size with no hint: {x}")
+        if isinstance(x, torch.SymInt):
+            return int(hint)
+        return float(hint) if isinstance(x, torch.SymFloat) else bool(hint)
+    return x
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(_hint(s)) for s in t.shape)
+
+
+def _is_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def _to_meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.empty(_shape(x), dtype=x.dtype, device="meta", requires_grad=_is_float(x.dtype))
+    if isinstance(x, torch.device):
+        # Factory ops (arange, zeros) carry the capture device; keep everything on meta.
+        return torch.device("meta")
+    return _hint(x)
+
+
+def _key_leaf(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("T", _shape(x), x.dtype)
+    return _hint(x)
+
+
+def _signature(target: Any, args: Any, kwargs: Any) -> Any:
+    leaves, spec = tree_flatten((args, kwargs))
+    key = (target, str(spec), tuple(_key_leaf(x) for x in leaves))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _is_mutating(target: Any) -> bool:
+    schema = getattr(target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def op_flops(target: Any, args: tuple = (), kwargs: dict | None = None) -> tuple[float, float]:
+    """Forward and backward FLOPs of one aten op call ``target(*args, **kwargs)``.
+
+    Tensors in ``args``/``kwargs`` (real, meta or fake, any device) are replaced by fresh meta
+    tensors of the same shape and dtype, floating ones requiring grad, so the backward counts
+    both input and weight gradients. The backward is that of the sum of the floating outputs.
+    Targets that are not aten ops (``operator.getitem``, grad-mode switches, higher-order ops)
+    count (0, 0); an op that cannot run on meta tensors warns and counts (0, 0)."""
+    kwargs = kwargs or {}
+    if not isinstance(target, _OPS):
+        return (0.0, 0.0)
+    key = _signature(target, args, kwargs)
+    if key is not None and key in _CACHE:
+        return _CACHE[key]
+    result = _count(target, args, kwargs)
+    if key is not None:
+        if len(_CACHE) >= _CACHE_MAX:
+            _CACHE.clear()
+        _CACHE[key] = result
+    return result
+
+
+def _functional_variant(target: Any) -> Any:
+    """``aten.addmm_.default`` -> ``aten.addmm.default``; ``target`` itself when there is none."""
+    packet = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+    name = packet.__name__
+    if not name.endswith("_") or name.startswith("_"):
+        return target
+    functional = getattr(torch.ops.aten, name[:-1], None)
+    if functional is None:
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return getattr(functional, target._overloadname, target)
+    return functional
+
+
+def _count(target: Any, args: tuple, kwargs: dict, backward: bool = True) -> tuple[float, float]:
+    with torch.set_grad_enabled(backward):
+        margs, mkwargs = tree_map(_to_meta, (tuple(args), dict(kwargs)))
+        if _is_mutating(target):
+            # Autograd refuses in-place ops on leaves that require grad; non-leaf copies are fine.
+            margs, mkwargs = tree_map(
+                lambda t: t.clone() if isinstance(t, torch.Tensor) and t.requires_grad else t,
+                (margs, mkwargs))
+        try:
+            with FlopCounterMode(display=False) as fwd_counter:
+                out = target(*margs, **mkwargs)
+        except Exception as e:  # noqa: BLE001 - any failure here only loses a cost estimate
+            warnings.warn(f"op_flops: {target} does not run on meta tensors ({type(e).__name__}: "
+                          f"{e}); counting 0 FLOPs", stacklevel=3)
+            return (0.0, 0.0)
+        fwd = float(fwd_counter.get_total_flops())
+        if fwd == 0 and _is_mutating(target) and _functional_variant(target) is not target:
+            # The counter has formulas for addmm, not addmm_: count the forward functionally.
+            fwd = _count(_functional_variant(target), args, kwargs, backward=False)[0]
+
+        outs = [t for t in tree_flatten(out)[0]
+                if isinstance(t, torch.Tensor) and _is_float(t.dtype) and t.requires_grad]
+        if not outs:
+            return (fwd, 0.0)
+        loss = outs[0].sum()
+        for t in outs[1:]:
+            loss = loss + t.sum()
+        try:
+            with FlopCounterMode(display=False) as bwd_counter:
+                loss.backward()
+        except Exception as e:  # noqa: BLE001 - e.g. an op with no derivative formula
+            warnings.warn(f"op_flops: backward of {target} failed on meta tensors "
+                          f"({type(e).__name__}: {e}); counting 0 backward FLOPs", stacklevel=3)
+            return (fwd, 0.0)
+        return (fwd, float(bwd_counter.get_total_flops()))
+
+
+def _val(n: torch.fx.Node) -> Any:
+    if "val" not in n.meta:
+        raise ValueError(f"node {n.name!r} ({n.op} {n.target}) has no meta['val']; "
+                         f"price graphs from torch.export, or run FakeTensorProp first")
+    return n.meta["val"]
+
+
+def node_flops(node: torch.fx.Node) -> tuple[float, float]:
+    """Forward and backward FLOPs of an FX node of a torch.export graph.
+
+    Input nodes are replaced by their ``meta["val"]`` (FakeTensors, possibly in lists) and
+    priced with ``op_flops``. Placeholders, outputs and non-aten targets count (0, 0)."""
+    if node.op != "call_function":
+        return (0.0, 0.0)
+    if not isinstance(node.target, _OPS):
+        return (0.0, 0.0)
+    args = map_arg(node.args, _val)
+    kwargs = map_arg(node.kwargs, _val)
+    return op_flops(node.target, args, kwargs)
+
+
+def _tensor_bytes(x: Any) -> float:
+    total = 0.0
+    for t in tree_flatten(x)[0]:
+        if isinstance(t, torch.Tensor):
+            total += math.prod(_shape(t)) * t.dtype.itemsize
+    return total
+
+
+def _is_view(target: Any) -> bool:
+    if target is operator.getitem:
+        return True
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    # A view's outputs alias an input without writing it; in-place ops alias *and* write.
+    return all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def node_bytes(node: torch.fx.Node) -> float:
+    """Bytes a call_function node reads plus writes: its distinct tensor inputs' sizes plus its
+    outputs' sizes, from ``meta["val"]`` and element sizes.
+
+    Views (ops whose outputs alias an input without writing it, e.g. view, transpose, split,
+    and ``getitem``) move no memory and count 0, as do placeholders, outputs and get_attr.
+    An embedding counts the rows it gathers, not its whole table."""
+    if node.op != "call_function" or _is_view(node.target):
+        return 0.0
+    written = _tensor_bytes(_val(node))
+    if node.target is torch.ops.aten.embedding.default:
+        # A lookup reads only the gathered rows (as many bytes as it writes), not the whole
+        # table: charging a 50k x 12k vocabulary in full would dwarf the real traffic.
+        return float(_tensor_bytes(_val(node.args[1])) + 2 * written)
+    read = sum(_tensor_bytes(_val(n)) for n in node.all_input_nodes)
+    return float(read + written)
+
+
+def compute_time(flops: float, nbytes: float, dev: DeviceSpec,
+                 dtype: torch.dtype | str | None) -> float:
+    """Roofline seconds: max(flops / (peak(dtype) * matmul_efficiency), nbytes / HBM bandwidth).
+
+    With ``flops == 0`` the dtype is not consulted (so integer ops and ``None`` are fine)."""
+    t_mem = float(nbytes) / dev.mem_bandwidth
+    if flops <= 0:
+        return t_mem
+    t_flop = float(flops) / (dev.flops(dtype) * dev.matmul_efficiency)
+    return max(t_flop, t_mem)

@@ -1,0 +1,387 @@
+"""Sharding rules: for each aten op, the ways it can run over one mesh axis.
+
+A ``Strategy`` lists one placement per input node (``node.all_input_nodes`` order),
+the output placement (for a multi-output op, the placement of every output), how
+many ways the op's compute is divided, the collectives it issues inside itself,
+and the name of the local implementation that replaces the op (``None``: the op
+runs as is on local shards).
+
+Gradient rule the rewrite relies on: an input placed ``R`` in a strategy that is
+not all-replicated gets a per-rank *partial* gradient (the ranks used it for
+different work), so the rewrite routes it through ``copy_to`` (all-reduce of the
+gradient). ``Strategy.divergent`` names those inputs.
+
+Dims carry labels ("batch", "seq", "other", see ``dim_labels``): the tp axis never
+shards a batch dim (that is the dp axis's job), and sequence parallelism is
+exactly the freedom to shard "seq" dims.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch.fx import Node
+
+from autopar.placement import P, R, Partial, Placement, Replicate, Shard
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Strategy:
+    inputs: tuple[Placement, ...]
+    output: Placement
+    divisor: int = 1
+    comm: tuple[tuple[str, str], ...] = ()   # (collective kind, what it carries) inside the op
+    local: str | None = None
+
+    @property
+    def replicated(self) -> bool:
+        return self.output == R and all(p == R for p in self.inputs)
+
+    def divergent(self, i: int) -> bool:
+        """Whether input ``i``'s gradient is partial across ranks under this strategy."""
+        return self.inputs[i] == R and not self.replicated
+
+    def __str__(self) -> str:
+        ins = ", ".join(map(str, self.inputs))
+        return f"({ins}) -> {self.output}" + (f" [{self.local}]" if self.local else "")
+
+
+@dataclass
+class RuleContext:
+    """What a rule may know besides its node: the axis size and graph-wide facts."""
+
+    size: int
+    interleaves: tuple[int, ...] = (1,)
+    labels: dict = field(default_factory=dict)   # Node -> tuple of dim labels
+
+    def shardable(self, node: Node, dim: int, *, exact: bool = True) -> bool:
+        """Whether ``dim`` of ``node``'s output may be sharded (``exact``: without padding)."""
+        n = shape(node)[dim]
+        if self.labels.get(node, ())[dim:dim + 1] == ("batch",):
+            return False
+        return n % self.size == 0 if exact else n >= self.size
+
+
+def shape(node: Node) -> tuple[int, ...]:
+    val = node.meta["val"]
+    if isinstance(val, (list, tuple)):
+        val = val[0]
+    return tuple(val.shape)
+
+
+def is_float(node: Node) -> bool:
+    val = node.meta.get("val")
+    if isinstance(val, (list, tuple)):
+        val = val[0]
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+RULES: dict[object, Callable[[Node, RuleContext], list[Strategy]]] = {}
+
+
+def rule(*targets):
+    def register(fn):
+        for t in targets:
+            RULES[t] = fn
+        return fn
+    return register
+
+
+def replicate_only(node: Node, ctx: RuleContext) -> list[Strategy]:
+    return [Strategy(tuple(R for _ in node.all_input_nodes), R)]
+
+
+def strategies_for(node: Node, ctx: RuleContext) -> list[Strategy]:
+    """All strategies of one call_function node; an op without a rule stays replicated."""
+    fn = RULES.get(node.target)
+    if fn is None:
+        where = node.meta.get("module_path") or "<top level>"
+        warnings.warn(f"autopar: no sharding rule for {node.target} in {where}; "
+                      "it runs replicated on every tp rank", stacklevel=2)
+        return replicate_only(node, ctx)
+    return fn(node, ctx)
+
+
+# ---- elementwise ------------------------------------------------------------------------
+
+_LINEAR_BINARY = {aten.add.Tensor, aten.sub.Tensor}
+_SCALING = {aten.mul.Tensor, aten.div.Tensor}
+POINTWISE = [
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.gelu.default,
+    aten.dropout.default, aten.relu.default, aten.silu.default, aten.tanh.default,
+    aten.neg.default, aten.rsqrt.default, aten.pow.Tensor_Scalar, aten.exp.default,
+    aten.sigmoid.default, aten.add.Scalar, aten.mul.Scalar, aten._to_copy.default,
+    aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
+    aten.to.dtype, aten.type_as.default,
+]
+
+
+@rule(*POINTWISE)
+def elementwise(node: Node, ctx: RuleContext) -> list[Strategy]:
+    out = shape(node)
+    ins = node.all_input_nodes
+    out_strats = [Strategy(tuple(R for _ in ins), R)]
+    for d in range(len(out)):
+        if not ctx.shardable(node, d, exact=False):
+            continue
+        for k in ctx.interleaves:
+            if out[d] % k:
+                continue
+            placements = []
+            for i in ins:
+                s = shape(i)
+                di = d - (len(out) - len(s))
+                placements.append(Shard(di, k) if di >= 0 and s[di] == out[d] else R)
+            out_strats.append(Strategy(tuple(placements), Shard(d, k), ctx.size))
+    if node.target in _LINEAR_BINARY and all(shape(i) == out for i in ins):
+        out_strats.append(Strategy(tuple(P for _ in ins), P))
+    if node.target in _SCALING and len(ins) == 2 and shape(ins[0]) == out:
+        out_strats.append(Strategy((P, R), P))
+    if node.target in _SCALING and len(ins) == 1:
+        out_strats.append(Strategy((P,), P))
+    return out_strats
+
+
+# ---- views and layout ops ---------------------------------------------------------------
+
+def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Pair up runs of dims with equal products: [(src dims, dst dims), ...]."""
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        gi, gj = [i] if i < len(src) else [], [j] if j < len(dst) else []
+        a = src[i] if i < len(src) else 1
+        b = dst[j] if j < len(dst) else 1
+        i, j = i + bool(gi), j + bool(gj)
+        while a != b:
+            if a < b:
+                gi.append(i); a *= src[i]; i += 1
+            else:
+                gj.append(j); b *= dst[j]; j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def view_map(src: tuple[int, ...], dst: tuple[int, ...], dim: int, size: int, interleave: int):
+    """Where a shard of ``src`` dim ``dim`` lands after a reshape to ``dst`` (None: nowhere)."""
+    for gi, gj in view_groups(src, dst):
+        if dim not in gi:
+            continue
+        if not gj or gi[0] != dim:
+            return None   # only the outermost dim of a group keeps a contiguous shard
+        if len(gi) == 1 and len(gj) == 1:
+            return gj[0]
+        if interleave == 1 and src[dim] % size == 0 and dst[gj[0]] % size == 0:
+            return gj[0]
+        return None
+    return None
+
+
+@rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+def view(node: Node, ctx: RuleContext) -> list[Strategy]:
+    src, dst = shape(node.args[0]), shape(node)
+    out = [Strategy((R,), R), Strategy((P,), P)]
+    for d in range(len(src)):
+        for k in ctx.interleaves:
+            if src[d] % k or not ctx.shardable(node.args[0], d, exact=False):
+                continue
+            e = view_map(src, dst, d, ctx.size, k)
+            if e is not None and ctx.shardable(node, e, exact=False):
+                out.append(Strategy((Shard(d, k),), Shard(e, k)))
+    return out
+
+
+def _permuted(node: Node, ctx: RuleContext, perm: list[int]) -> list[Strategy]:
+    out = [Strategy((R,), R), Strategy((P,), P)]
+    for e, d in enumerate(perm):
+        if ctx.shardable(node.args[0], d, exact=False):
+            out += [Strategy((Shard(d, k),), Shard(e, k)) for k in ctx.interleaves
+                    if shape(node)[e] % k == 0]
+    return out
+
+
+@rule(aten.transpose.int)
+def transpose(node: Node, ctx: RuleContext) -> list[Strategy]:
+    n = len(shape(node))
+    a, b = (d % n for d in node.args[1:3])
+    perm = list(range(n))
+    perm[a], perm[b] = perm[b], perm[a]
+    return _permuted(node, ctx, perm)
+
+
+@rule(aten.permute.default)
+def permute(node: Node, ctx: RuleContext) -> list[Strategy]:
+    n = len(shape(node))
+    return _permuted(node, ctx, [d % n for d in node.args[1]])
+
+
+@rule(aten.t.default)
+def t(node: Node, ctx: RuleContext) -> list[Strategy]:
+    return _permuted(node, ctx, list(reversed(range(len(shape(node))))))
+
+
+@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+def split(node: Node, ctx: RuleContext) -> list[Strategy]:
+    src = shape(node.args[0])
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % len(src)
+    pieces = [tuple(v.shape) for v in node.meta["val"]]
+    out = [Strategy((R,), R)]
+    for d in range(len(src)):
+        if not ctx.shardable(node.args[0], d, exact=d == dim):
+            continue
+        if d != dim:
+            out.append(Strategy((Shard(d),), Shard(d)))
+        elif len(set(pieces)) == 1 and len(pieces) in ctx.interleaves and len(pieces) > 1:
+            # each rank holds its slice of every piece, so the pieces split locally
+            if (src[d] // len(pieces)) % ctx.size == 0:
+                out.append(Strategy((Shard(d, len(pieces)),), Shard(d)))
+    return out
+
+
+@rule(operator.getitem)
+def getitem(node: Node, ctx: RuleContext) -> list[Strategy]:
+    return _permuted(node, ctx, list(range(len(shape(node)))))
+
+
+@rule(aten.arange.start, aten.arange.default, aten.arange.start_step, aten.zeros.default,
+      aten.ones.default, aten.full.default, aten.empty.memory_format)
+def factory(node: Node, ctx: RuleContext) -> list[Strategy]:
+    return [Strategy((), R)]
+
+
+# ---- nn ops -----------------------------------------------------------------------------
+
+@rule(aten.linear.default)
+def linear(node: Node, ctx: RuleContext) -> list[Strategy]:
+    """y = x @ w.T (bias adds are separate nodes after capture)."""
+    x, w = node.args[0], node.args[1]
+    r = len(shape(node))
+    n_out, k_in = shape(w)
+    out = [Strategy((R, R), R)]
+    for k in ctx.interleaves:   # column parallel: each rank computes its output features
+        if n_out % k == 0 and (k == 1 or (n_out // k) % ctx.size == 0) and n_out >= ctx.size:
+            out.append(Strategy((R, Shard(0, k)), Shard(r - 1, k), ctx.size))
+    if k_in >= ctx.size:        # row parallel: each rank sums over its input features
+        out.append(Strategy((Shard(r - 1), Shard(1)), P, ctx.size))
+    for d in range(r - 1):      # token parallel with a replicated weight
+        if ctx.shardable(x, d):
+            out.append(Strategy((Shard(d), R), Shard(d), ctx.size))
+    return out
+
+
+@rule(aten.embedding.default)
+def embedding(node: Node, ctx: RuleContext) -> list[Strategy]:
+    w, idx = node.args[0], node.args[1]
+    vocab, dim = shape(w)
+    r = len(shape(node))
+    out = [Strategy((R, R), R)]
+    if vocab >= ctx.size:
+        out.append(Strategy((Shard(0), R), P, ctx.size, local="vocab_parallel_embedding"))
+    if dim % ctx.size == 0:
+        out.append(Strategy((Shard(1), R), Shard(r - 1), ctx.size))
+    for d in range(r - 1):
+        if ctx.shardable(idx, d):
+            out.append(Strategy((R, Shard(d)), Shard(d), ctx.size))
+    return out
+
+
+@rule(aten.layer_norm.default)
+def layer_norm(node: Node, ctx: RuleContext) -> list[Strategy]:
+    x = node.args[0]
+    n_norm = len(node.args[1])
+    ins = node.all_input_nodes
+    r = len(shape(x))
+    out = [Strategy(tuple(R for _ in ins), R)]
+    for d in range(r - n_norm):
+        if ctx.shardable(x, d):
+            out.append(Strategy((Shard(d),) + tuple(R for _ in ins[1:]), Shard(d), ctx.size))
+    return out
+
+
+@rule(aten.scaled_dot_product_attention.default)
+def sdpa(node: Node, ctx: RuleContext) -> list[Strategy]:
+    """Attention over (B, heads, T, head_dim): heads are independent."""
+    ins = node.all_input_nodes
+    out = [Strategy(tuple(R for _ in ins), R)]
+    heads_q, heads_kv = shape(ins[0])[1], shape(ins[1])[1]
+    if heads_q % ctx.size == 0 and heads_kv % ctx.size == 0 and not ctx.labels.get(ins[0], ("",) * 2)[1] == "seq":
+        out.append(Strategy(tuple(Shard(1) for _ in ins), Shard(1), ctx.size))
+    return out
+
+
+@rule(aten.cross_entropy_loss.default)
+def cross_entropy(node: Node, ctx: RuleContext) -> list[Strategy]:
+    logits = node.args[0]
+    ins = node.all_input_nodes
+    out = [Strategy(tuple(R for _ in ins), R)]
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
+    if len(shape(logits)) == 2 and weight is None and not smoothing and shape(logits)[1] >= ctx.size:
+        comm = (("all_reduce", "row max"), ("all_reduce", "row sum-exp"), ("all_reduce", "target logit"))
+        out.append(Strategy((Shard(1), R), R, ctx.size, comm, local="vocab_parallel_cross_entropy"))
+    return out
+
+
+# ---- dim labels -------------------------------------------------------------------------
+
+def dim_labels(gm: torch.fx.GraphModule, inputs: list[Node]) -> dict[Node, tuple[str, ...]]:
+    """Label each dim of each activation "batch", "seq" or "other".
+
+    Graph inputs (token ids) are (batch, seq, ...); labels flow through the ops by the
+    same dim correspondences the rules use. A dim merging batch and seq is "batch"
+    (sharding it would split the batch)."""
+    labels: dict[Node, tuple[str, ...]] = {}
+    for x in inputs:
+        n = len(shape(x))
+        labels[x] = tuple(["batch", "seq"][:n] + ["other"] * max(0, n - 2))
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node in labels or "val" not in node.meta:
+            continue
+        labels[node] = _label(node, labels)
+    return labels
+
+
+def _label(node: Node, labels: dict) -> tuple[str, ...]:
+    try:
+        out = shape(node)
+    except (AttributeError, IndexError, TypeError):
+        return ()
+    tgt = node.target
+    src = node.args[0] if node.args and isinstance(node.args[0], Node) else None
+    lab = labels.get(src, ())
+    if tgt in (aten.arange.start, aten.arange.default, aten.arange.start_step):
+        return ("seq",) * len(out)
+    if tgt == aten.embedding.default:
+        return labels.get(node.args[1], ()) + ("other",)
+    if tgt in (aten.view.default, aten.reshape.default, aten._unsafe_view.default) and lab:
+        res = ["other"] * len(out)
+        for gi, gj in view_groups(shape(src), out):
+            names = {lab[i] for i in gi}
+            name = "batch" if "batch" in names else ("seq" if "seq" in names else "other")
+            for j in gj[:1]:
+                res[j] = name
+        return tuple(res)
+    if tgt == aten.transpose.int and lab:
+        a, b = (d % len(out) for d in node.args[1:3])
+        res = list(lab)
+        res[a], res[b] = res[b], res[a]
+        return tuple(res)
+    if tgt == aten.permute.default and lab:
+        return tuple(lab[d % len(out)] for d in node.args[1])
+    if tgt in (aten.linear.default,) and lab:
+        return lab[:-1] + ("other",)
+    if tgt == operator.getitem:
+        return lab
+    # elementwise and everything else: right-aligned broadcast of the inputs' labels
+    res = ["other"] * len(out)
+    for i in node.all_input_nodes:
+        li = labels.get(i, ())
+        for k, name in enumerate(reversed(li)):
+            if k < len(res) and name != "other":
+                res[-1 - k] = name
+    return tuple(res)

@@ -1,0 +1,64 @@
+"""Shared helpers for parity tests: the reference run and the parallel run on gloo ranks."""
+from __future__ import annotations
+
+import torch
+
+import autopar
+from autopar.examples.gpt import GPTConfig, GPT, example_inputs
+
+TINY = GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_embd=32)
+BATCH, SEQ = 4, 12
+
+
+def make_model(cfg: GPTConfig = TINY, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def reference(cfg: GPTConfig = TINY, steps: int = 0, lr: float = 1e-3):
+    """Loss, gradients and (with steps) the loss curve of the unsharded model."""
+    model = make_model(cfg)
+    idx, tgt = example_inputs(cfg, BATCH, SEQ)
+    loss = model(idx, tgt)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    curve = []
+    if steps:
+        model = make_model(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        for _ in range(steps):
+            opt.zero_grad()
+            l = model(idx, tgt)
+            l.backward()
+            opt.step()
+            curve.append(l.item())
+    return loss.item(), grads, curve
+
+
+def parallel_run(rank, world, mesh, knobs, cfg=TINY, steps=0, lr=1e-3):
+    """On one rank: loss, gathered gradients and loss curve of the parallel model."""
+    model = make_model(cfg)
+    idx, tgt = example_inputs(cfg, BATCH, SEQ)
+    pm = autopar.parallelize(model, mesh, (idx, tgt), **knobs)
+    loss = pm.train_step(idx, tgt).item()
+    grads = _gathered_grads(pm) if not knobs.get("zero") else None
+    curve = []
+    if steps:
+        pm = autopar.parallelize(make_model(cfg), mesh, (idx, tgt), **knobs)
+        opt = pm.optimizer(torch.optim.AdamW, lr=lr)
+        for _ in range(steps):
+            opt.zero_grad()
+            curve.append(pm.train_step(idx, tgt).item())
+            opt.step()
+    return loss, grads, curve, pm.plan.to_json()
+
+
+def _gathered_grads(pm):
+    """Each parameter's gradient gathered to full shape, by swapping grads in as the weights."""
+    saved = {n: p.data for n, p in pm.named_parameters()}
+    for n, p in pm.named_parameters():
+        p.data = p.grad
+    full = pm.full_state_dict()
+    for n, p in pm.named_parameters():
+        p.data = saved[n]
+    return full

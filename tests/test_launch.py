@@ -1,0 +1,114 @@
+import ctypes
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autopar.launch import RankError, free_port, init_distributed, spawn
+
+# Functions handed to spawn are module-level so the spawned ranks can unpickle them.
+
+
+def _report(rank, world_size, offset):
+    value = torch.tensor([float(rank + offset)])
+    dist.all_reduce(value)
+    return {
+        "sum": value.item(),
+        "rank": rank,
+        "init_distributed": init_distributed(),
+        "mark": os.environ.get("AUTOPAR_TEST_MARK"),
+        "omp": os.environ["OMP_NUM_THREADS"],
+    }
+
+
+def _boom_on_rank_1(rank, world_size, pid_dir):
+    (pid_dir / f"{rank}.pid").write_text(str(os.getpid()))
+    dist.barrier()  # every pid is written before anyone fails
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))  # waits for rank 1, which never comes
+    time.sleep(3600)
+
+
+def _exit_on_rank_1(rank, world_size):
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def _segfault_on_rank_1(rank, world_size):
+    if rank == 1:
+        ctypes.string_at(0)
+    dist.barrier()
+
+
+def _hang_on_rank_1(rank, world_size):
+    if rank == 1:
+        time.sleep(3600)
+
+
+def test_results_come_back_per_rank_with_env():
+    world = 4
+    results = spawn(_report, world, 10, env={"AUTOPAR_TEST_MARK": "seen"})
+    expected_sum = float(sum(range(world)) + 10 * world)
+    assert [r["sum"] for r in results] == [expected_sum] * world
+    assert [r["rank"] for r in results] == list(range(world))
+    assert [r["init_distributed"] for r in results] == [(rank, world) for rank in range(world)]
+    assert all(r["mark"] == "seen" for r in results)
+    assert all(r["omp"] == str(max(1, os.cpu_count() // world)) for r in results)
+    assert "AUTOPAR_TEST_MARK" not in os.environ  # the parent's environment is restored
+
+
+def test_raising_rank_is_reported_and_others_are_killed(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        spawn(_boom_on_rank_1, 3, tmp_path, timeout=120)
+    assert time.monotonic() - start < 30
+    message = str(info.value)
+    assert "rank 1" in message
+    assert "Traceback" in message and "_boom_on_rank_1" in message
+    assert "ValueError: boom on rank 1" in message
+    for pid_file in tmp_path.glob("*.pid"):
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid_file.read_text()), 0)
+    assert len(list(tmp_path.glob("*.pid"))) == 3
+
+
+@pytest.mark.parametrize(
+    "fn, expected",
+    [(_exit_on_rank_1, "exit code 3"), (_segfault_on_rank_1, "SIGSEGV")],
+    ids=["os_exit", "segfault"],
+)
+def test_dead_rank_is_reported(fn, expected):
+    with pytest.raises(RankError, match=r"rank 1 died without raising") as info:
+        spawn(fn, 2, timeout=60)
+    assert expected in str(info.value)
+
+
+def test_timeout_names_unfinished_ranks():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        spawn(_hang_on_rank_1, 2, timeout=8)  # long enough for rank 0 to start and return
+    assert time.monotonic() - start < 20
+    assert str(info.value).endswith("ranks still running: [1]")
+
+
+def test_init_distributed_needs_torchrun_environment(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        init_distributed()
+
+
+def test_init_distributed_from_environment(monkeypatch):
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(key, value)
+    try:
+        assert init_distributed("gloo") == (0, 1)
+        assert dist.get_backend() == "gloo"
+    finally:
+        dist.destroy_process_group()
