@@ -108,8 +108,8 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
     Call it on every rank of an initialised process group (``torchrun``, or
     ``autopar.launch.spawn`` for CPU ranks). ``example_inputs`` is one global batch.
     Rank 0 plans and broadcasts the plan, so every rank runs the same decisions.
-    ``compile``: True lowers through torch.compile (Inductor), a string names another
-    torch.compile backend (e.g. "aot_eager"), False runs the rewritten graph eagerly.
+    ``compile``: True lowers through torch.compile (Inductor), a string or callable names
+    another torch.compile backend (e.g. "aot_eager"), False runs the rewritten graph eagerly.
     ``device``: the cost model's device preset or profile (default: this machine's kind)."""
     from autopar.launch import init_distributed
     from autopar.parallel_model import ParallelModel

@@ -45,14 +45,14 @@ def _pad_to(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
 def _ag(x: torch.Tensor, dim: int, group: str, size: int, full: int) -> torch.Tensor:
     y = x.movedim(dim, 0).contiguous()
     y = _ops.wait_tensor(_ops.all_gather_into_tensor(y, size, group))
-    return y.movedim(0, dim).narrow(dim, 0, full)
+    return y.movedim(0, dim).narrow(dim, 0, full).contiguous()
 
 
 def _rs(x: torch.Tensor, dim: int, group: str, size: int) -> torch.Tensor:
     local = -(-x.shape[dim] // size)
     y = _pad_to(x, dim, local * size).movedim(dim, 0).contiguous()
     y = _ops.wait_tensor(_ops.reduce_scatter_tensor(y, "sum", size, group))
-    return y.movedim(0, dim)
+    return y.movedim(0, dim).contiguous()
 
 
 class _CopyTo(torch.autograd.Function):
@@ -85,7 +85,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         dim, group, size, rank, reduce_grad = ctx.args
-        g = _rs(g, dim, group, size) if reduce_grad else take_shard(g, dim, size, rank)
+        g = _rs(g, dim, group, size) if reduce_grad else take_shard(g, dim, size, rank).contiguous()
         return g, None, None, None, None, None, None
 
 
@@ -105,7 +105,7 @@ class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, size, rank):
         ctx.args = (dim, group, size, x.shape[dim])
-        return take_shard(x, dim, size, rank)
+        return take_shard(x, dim, size, rank).contiguous()
 
     @staticmethod
     def backward(ctx, g):

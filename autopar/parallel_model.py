@@ -35,12 +35,7 @@ class ParallelModel:
         self._params = _materialize(model, cap, self._placement, mesh.tp, self.coords["tp"])
         self._buffers = {fqn: b for fqn, b in model.named_buffers() if fqn in cap.buffers}
         self._slots = [(n.meta.get("kind"), n.meta.get("fqn")) for n in gm.graph.nodes if n.op == "placeholder"]
-        if compile is True:
-            self._fn = torch.compile(gm, backend="inductor")
-        elif isinstance(compile, str):
-            self._fn = torch.compile(gm, backend=compile)
-        else:
-            self._fn = gm
+        self._fn = torch.compile(gm, backend="inductor" if compile is True else compile) if compile else gm
         self._global_batch = plan.input_shapes[0][0] * mesh.dp * plan.microbatches if plan.input_shapes else None
         self._zero = _Zero1(self) if plan.zero else None
 
