@@ -8,12 +8,12 @@ import torch
 import torch.distributed as dist
 
 from autopar.cost_model import get_device
-from autopar.megatron import megatron_placements
+from autopar.megatron import megatron_options
 from autopar.mesh import Mesh, default_device_type, device_mesh, group_name
 from autopar.passes.capture import Captured, capture_pass
 from autopar.plan import Plan
-from autopar.planner import (PlanError, build_plan, check_tp, enumerate_strategies, pin_parameters,
-                             solve, strategies_from_plan)
+from autopar.planner import (PlanError, build_plan, check_tp, enumerate_strategies, solve,
+                             strategies_from_plan)
 from autopar.placement import R, Shard
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
@@ -74,7 +74,7 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
                             "microbatch shapes; re-plan for this batch size")
         return cap, strategies_from_plan(cap, options, plan), plan
     if plan == "megatron":
-        options = pin_parameters(options, cap, megatron_placements(cap) if mesh.tp > 1 else {})
+        options = megatron_options(cap, options) if mesh.tp > 1 else options
     elif plan != "auto":
         raise ValueError(f"plan={plan!r}: expected 'auto', 'megatron', a Plan or a plan JSON path")
     inter = mesh.tp > gpus_per_node

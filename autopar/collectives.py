@@ -153,7 +153,3 @@ def split(x: torch.Tensor, dim: int, group: str, size: int, rank: int, interleav
 
 COLLECTIVE_FUNCTIONS = (copy_to, all_reduce, all_gather, reduce_scatter, split)
 
-
-def all_reduce_max(x: torch.Tensor, group: str) -> torch.Tensor:
-    """Element-wise max over the group, without gradient (used for softmax stabilisers)."""
-    return _ops.wait_tensor(_ops.all_reduce(x.detach().contiguous(), "max", group))

@@ -37,3 +37,16 @@ def megatron_placements(cap: Captured) -> dict[str, Placement]:
         else:
             out[fqn] = R
     return out
+
+
+def megatron_options(cap: Captured, options: dict) -> dict:
+    """Strategy options restricted to Megatron's: its parameter placements taken as they lie,
+    and the loss computed vocab-parallel (the logits are never gathered)."""
+    from autopar.planner import pin_parameters
+
+    out = pin_parameters(options, cap, megatron_placements(cap))
+    for node, opts in out.items():
+        vocab_parallel = [s for s in opts if s.local == "vocab_parallel_cross_entropy"]
+        if vocab_parallel:
+            out[node] = vocab_parallel
+    return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from autopar.collectives import all_reduce, all_reduce_max
+from autopar.collectives import all_gather, all_reduce
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, start: int) -> torch.Tensor:
@@ -19,24 +19,26 @@ def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, start: int
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: str, start: int,
-                                 vocab: int, reduction: int = 1, ignore_index: int = -100) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: str, size: int,
+                                 rank: int, start: int, vocab: int, reduction: int = 1,
+                                 ignore_index: int = -100) -> torch.Tensor:
     """Cross-entropy of (N, V) logits whose columns ``start ..`` live on this rank.
 
-    Three all-reduces of N numbers (row max, row sum of exp, target logit) replace an
-    all-gather of N x V logits. Columns at or past ``vocab`` are padding and masked out.
+    Each rank's log-sum-exp over its columns is all-gathered (size x N numbers) and
+    combined, and the target logit is all-reduced (N numbers): no rank gathers the
+    N x V logits. Columns at or past ``vocab`` are padding and masked out.
     ``reduction``: 0 none, 1 mean over non-ignored targets, 2 sum (aten's encoding)."""
     n_local = logits.shape[1]
     cols = torch.arange(start, start + n_local, device=logits.device)
     logits = logits.masked_fill(cols >= vocab, float("-inf"))
-    z = logits - all_reduce_max(logits.amax(dim=1), group).unsqueeze(1)
-    sum_exp = all_reduce(z.exp().sum(dim=1), group)
+    lse_local = torch.logsumexp(logits, dim=1).unsqueeze(0)                        # (1, N)
+    lse = torch.logsumexp(all_gather(lse_local, 0, group, size, rank, size, False), dim=0)
     local = target - start
     mine = (local >= 0) & (local < n_local)
-    picked = z.gather(1, local.clamp(0, n_local - 1).unsqueeze(1)).squeeze(1)
+    picked = logits.gather(1, local.clamp(0, n_local - 1).unsqueeze(1)).squeeze(1)
     picked = all_reduce(torch.where(mine, picked, torch.zeros_like(picked)), group)
     valid = target != ignore_index
-    loss = torch.where(valid, sum_exp.log() - picked, torch.zeros_like(picked))
+    loss = torch.where(valid, lse - picked, torch.zeros_like(picked))
     if reduction == 0:
         return loss
     if reduction == 2:

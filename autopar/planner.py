@@ -227,7 +227,12 @@ def _strategy_time(node: Node, s: Strategy, tp: int, dev, inter_node: bool, with
     dtype = val.dtype if isinstance(val, torch.Tensor) else torch.float32
     t = compute_time(flops / s.divisor, nbytes / s.divisor, dev, dtype)
     rows = shape(node.args[0])[0] if s.comm and with_comm else 0
-    return t + sum(collective_time(kind, rows * 4, tp, dev, inter_node) for kind, _ in s.comm)
+    return t + sum(collective_time(kind, _comm_bytes(kind, rows, tp), tp, dev, inter_node) for kind, _ in s.comm)
+
+
+def _comm_bytes(kind: str, rows: int, tp: int) -> float:
+    """Full size of a per-row fp32 collective inside an op (an all-gather's output is tp rows deep)."""
+    return rows * 4.0 * (tp if kind == "all_gather" else 1)
 
 
 def _param_memory(node: Node, s: Strategy, tp: int, state_bytes: float) -> float:
@@ -238,10 +243,12 @@ def _param_memory(node: Node, s: Strategy, tp: int, state_bytes: float) -> float
 # ---- from an assignment to a Plan, and back ------------------------------------------------
 
 def _op_name(node: Node) -> str:
-    return getattr(node.target, "__name__", str(node.target)) if node.op == "call_function" else node.op
+    if node.op != "call_function":
+        return node.op
+    return str(node.target) if isinstance(node.target, torch._ops.OpOverload) else node.target.__name__
 
 
-def tp_collectives(cap: Captured, strategies: dict[Node, Strategy]):
+def tp_collectives(cap: Captured, strategies: dict[Node, Strategy], tp: int):
     """(phase, kind, where, bytes) of every tp collective the rewrite will emit."""
     out, seen = [], set()
     for c in cap.gm.graph.nodes:
@@ -251,7 +258,8 @@ def tp_collectives(cap: Captured, strategies: dict[Node, Strategy]):
             s = strategies[c]
             pairs = [(p, s.inputs[k], s.divergent(k) and is_float(p)) for k, p in enumerate(c.all_input_nodes)]
             rows = shape(c.args[0])[0] if s.comm else 0
-            out += [("fwd", kind, c.meta.get("module_path", ""), rows * 4) for kind, _ in s.comm]
+            out += [("fwd", kind, c.meta.get("module_path", ""), _comm_bytes(kind, rows, tp))
+                    for kind, _ in s.comm]
         else:
             continue
         for p, dst, div in pairs:
@@ -290,7 +298,7 @@ def build_plan(cap: Captured, assignment: Assignment, mesh, dev, *, sequence_par
                   for n in cap.gm.graph.nodes if n.op == "call_function")
     m = microbatches
     agg: dict[tuple, list] = {}
-    for phase, kind, where, nbytes in tp_collectives(cap, strategies) if tp > 1 else []:
+    for phase, kind, where, nbytes in tp_collectives(cap, strategies, tp) if tp > 1 else []:
         a = agg.setdefault((kind, "tp", phase, where), [0, 0.0])
         a[0] += m
         a[1] += nbytes * m
@@ -349,8 +357,14 @@ def strategies_from_plan(cap: Captured, options: dict[Node, list[Strategy]], pla
 
 
 def pin_parameters(options: dict[Node, list[Strategy]], cap: Captured, placements: dict[str, Placement]):
-    """Options with each named parameter's placement fixed (the hand-written plans)."""
+    """Options with each named parameter's placement fixed, and its consumers made to use it
+    as it lies (a hand-written plan shards the compute, never gathers the weight)."""
     out = dict(options)
     for fqn, pl in placements.items():
-        out[cap.params[fqn]] = [Strategy((), pl)]
+        node = cap.params[fqn]
+        out[node] = [Strategy((), pl)]
+        for user in node.users:
+            slots = [k for k, i in enumerate(user.all_input_nodes) if i is node]
+            keep = [s for s in out[user] if all(s.inputs[k] == pl for k in slots)]
+            out[user] = keep or out[user]
     return out

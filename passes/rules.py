@@ -259,7 +259,7 @@ def factory(node: Node, ctx: RuleContext) -> list[Strategy]:
 @rule(aten.linear.default)
 def linear(node: Node, ctx: RuleContext) -> list[Strategy]:
     """y = x @ w.T (bias adds are separate nodes after capture)."""
-    x, w = node.args[0], node.args[1]
+    w = node.args[1]
     r = len(shape(node))
     n_out, k_in = shape(w)
     out = [Strategy((R, R), R)]
@@ -268,9 +268,9 @@ def linear(node: Node, ctx: RuleContext) -> list[Strategy]:
             out.append(Strategy((R, Shard(0, k)), Shard(r - 1, k), ctx.size))
     if k_in >= ctx.size:        # row parallel: each rank sums over its input features
         out.append(Strategy((Shard(r - 1), Shard(1)), P, ctx.size))
-    for d in range(r - 1):      # token parallel with a replicated weight
-        if ctx.shardable(x, d):
-            out.append(Strategy((Shard(d), R), Shard(d), ctx.size))
+    # No token-parallel strategy (tokens sharded, weight replicated): that is data
+    # parallelism with a weight-gradient all-reduce, the dp axis's job. Sequence
+    # parallelism shards only the norm/dropout/residual regions between linears.
     return out
 
 
@@ -322,7 +322,7 @@ def cross_entropy(node: Node, ctx: RuleContext) -> list[Strategy]:
     weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
     smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
     if len(shape(logits)) == 2 and weight is None and not smoothing and shape(logits)[1] >= ctx.size:
-        comm = (("all_reduce", "row max"), ("all_reduce", "row sum-exp"), ("all_reduce", "target logit"))
+        comm = (("all_gather", "row log-sum-exp"), ("all_reduce", "target logit"))
         out.append(Strategy((Shard(1), R), R, ctx.size, comm, local="vocab_parallel_cross_entropy"))
     return out
 

@@ -89,7 +89,7 @@ def _localize(node: Node, s: Strategy, args, kwargs, me: _Rank):
         cols = padded_size(vocab, me.size)
         full = dict(zip(("weight", "reduction", "ignore_index", "label_smoothing"), args[2:]))
         full.update(kwargs)
-        return ops.vocab_parallel_cross_entropy, (args[0], args[1], me.group, me.rank * cols, vocab,
+        return ops.vocab_parallel_cross_entropy, (args[0], args[1], me.group, me.size, me.rank, me.rank * cols, vocab,
                                                   full.get("reduction", 1), full.get("ignore_index", -100)), {}
     if target in _RESHAPES:
         args = list(args)

@@ -1,0 +1,92 @@
+"""The autopar command line.
+
+    python -m autopar demo [--mesh 1,1,2 --steps 20 ...]     plan and train the example GPT on CPU ranks
+    python -m autopar plan gpt2 --mesh 1,1,4 --batch 8       plan offline (meta device) and print the plan
+
+Errors autopar reports (a mesh the model cannot use, a malformed plan, a feature not built yet)
+are printed as one line on stderr, and the exit status is 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from autopar.examples.gpt import CONFIGS
+
+_SP = {"on": True, "off": False, "auto": "auto"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m autopar",
+        description="autopar: automatic data x pipeline x tensor parallelism for GPT-style PyTorch models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    sub.add_parser("demo", add_help=False,
+                   help="plan and train the example GPT on a CPU mesh of gloo ranks "
+                        "(`python -m autopar demo --help` for its options)")
+
+    p = sub.add_parser("plan", help="plan a named GPT config offline, on the meta device, and print the plan",
+                       description="Plan a GPT from autopar.examples.gpt.CONFIGS on the meta device "
+                                   "(no GPU, no process group) and print the plan summary.")
+    p.add_argument("config", metavar="CONFIG", choices=list(CONFIGS),
+                   help=f"model config: {', '.join(CONFIGS)}")
+    p.add_argument("--mesh", required=True, help="dp,pp,tp, e.g. 1,1,8")
+    p.add_argument("--device", default="h100",
+                   help="cost model device: a preset (e.g. h100, h200, cpu) or a JSON profile path "
+                        "(default h100)")
+    p.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
+    p.add_argument("--seq", type=int, help="sequence length (default: the config's block size)")
+    p.add_argument("--sequence-parallel", default="auto", choices=list(_SP),
+                   help="sequence parallelism (default auto: the planner decides)")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1],
+                   help="1 shards the optimizer state over dp (default 0)")
+    p.add_argument("--plan", default="auto", choices=["auto", "megatron"],
+                   help="auto: the planner decides; megatron: the hand-written plan (default auto)")
+    p.add_argument("--out", metavar="PLAN.json", help="also write the plan as JSON to this file")
+    return parser
+
+
+def _plan(args) -> int:
+    from rich.console import Console
+
+    t0 = time.perf_counter()
+    console = Console(stderr=True)
+    with console.status(f"capturing {args.config} on the meta device and solving for mesh {args.mesh} ..."):
+        import autopar
+        from autopar.examples.gpt import build, example_inputs
+
+        model = build(args.config, device="meta")
+        seq = args.seq or model.config.block_size
+        if args.batch < 1 or seq < 1:
+            raise ValueError(f"--batch and --seq must be positive, got batch={args.batch} seq={seq}")
+        if seq > model.config.block_size:
+            raise ValueError(f"--seq {seq} is longer than {args.config}'s block size "
+                             f"{model.config.block_size}")
+        inputs = example_inputs(model.config, args.batch, seq, device="meta")
+        plan = autopar.plan(model, args.mesh, inputs, device=args.device, plan=args.plan,
+                            sequence_parallel=_SP[args.sequence_parallel], zero=args.zero)
+    print(plan.summary())
+    if args.out:
+        plan.to_json(args.out)
+        print(f"plan written to {args.out}")
+    print(f"planned {args.config} (batch {args.batch}, seq {seq}) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "demo":   # the demo parses its own options
+        from autopar.examples import demo
+        return demo.main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return _plan(args)
+    except (ValueError, NotImplementedError) as e:   # PlanError and PlanFormatError are ValueErrors
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

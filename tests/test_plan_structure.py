@@ -1,0 +1,106 @@
+"""The automatic plan is Megatron's, and the compiled per-rank graphs hold the collectives it says."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import autopar
+from autopar.examples.gpt import build, example_inputs
+from autopar.launch import spawn
+from parity import BATCH, SEQ, TINY, make_model
+
+FUNCOL = {"all_reduce": torch.ops._c10d_functional.all_reduce.default,
+          "all_gather": torch.ops._c10d_functional.all_gather_into_tensor.default,
+          "reduce_scatter": torch.ops._c10d_functional.reduce_scatter_tensor.default}
+
+
+def _placements(plan):
+    return {p.fqn: p.placements["tp"] for p in plan.parameters}
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_auto_plan_is_megatron(sp):
+    """GPT-3 1.3B shapes on 8 H100s: the solver finds Megatron's plan by itself."""
+    model = build("gpt3-1.3b", device="meta", n_layer=4)
+    inputs = example_inputs(model.config, 8, 2048, device="meta")
+    auto = autopar.plan(model, (1, 1, 8), inputs, sequence_parallel=sp)
+    megatron = autopar.plan(model, (1, 1, 8), inputs, sequence_parallel=sp, plan="megatron")
+    assert _placements(auto) == _placements(megatron)
+    assert [(n.name, n.inputs, n.output) for n in auto.nodes] == [(n.name, n.inputs, n.output) for n in megatron.nodes]
+    pl = _placements(auto)
+    assert pl["transformer.h.0.attn.c_attn.weight"] == "S(0)i3"      # whole heads of q, k and v
+    assert pl["transformer.h.0.mlp.c_fc.weight"] == "S(0)"           # column parallel
+    assert pl["transformer.h.0.attn.c_proj.weight"] == "S(1)"        # row parallel
+    assert pl["transformer.h.0.mlp.c_proj.weight"] == "S(1)"
+    assert pl["transformer.wte.weight"] == "S(0)"                    # vocab parallel, tied lm_head
+    ce = next(n for n in auto.nodes if n.op.startswith("aten.cross_entropy_loss"))
+    assert ce.local == "vocab_parallel_cross_entropy" and ce.inputs[0] == "S(1)"   # no logits gather
+    kinds = Counter(c.kind for c in auto.collectives if c.axis == "tp" and c.where.startswith("transformer.h."))
+    assert ("all_gather" in kinds) == sp and ("reduce_scatter" in kinds) == sp
+
+
+def _count(gm):
+    return Counter(k for n in gm.graph.nodes for k, op in FUNCOL.items() if n.target is op)
+
+
+def _rank_graphs(rank, world, sp):
+    from torch._dynamo.backends.common import aot_autograd
+    from functorch.compile import make_boxed_func
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, example):
+            graphs[name] = _count(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    idx, tgt = example_inputs(TINY, BATCH, SEQ)
+    pm = autopar.parallelize(make_model(), (1, 1, world), (idx, tgt), plan="megatron", sequence_parallel=sp,
+                             compile=aot_autograd(fw_compiler=keep("fwd"), bw_compiler=keep("bwd")))
+    pm.train_step(idx, tgt)
+    planned = {ph: Counter() for ph in ("fwd", "bwd")}
+    for c in pm.plan.collectives:
+        planned[c.phase][c.kind] += c.count
+    return graphs, planned
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_collectives_in_compiled_graphs(sp):
+    """Count the functional collectives AOTAutograd put in each rank's forward and backward graph."""
+    layers = TINY.n_layer
+    for graphs, planned in spawn(_rank_graphs, 2, sp, timeout=300):
+        assert graphs["fwd"] == planned["fwd"] and graphs["bwd"] == planned["bwd"]
+        fwd, bwd = graphs["fwd"], graphs["bwd"]
+        # the vocab-parallel embedding adds one all-reduce (or reduce-scatter) forward; the
+        # vocab-parallel loss an all-gather of per-rank log-sum-exps and an all-reduce of the
+        # target logits; ln_f -> lm_head one all-reduce backward
+        if not sp:
+            assert fwd == {"all_reduce": 2 * layers + 1 + 1, "all_gather": 1}
+            assert bwd == {"all_reduce": 2 * layers + 1}
+        else:
+            # +1 all-gather: ln_f's sequence shards feed the lm_head; +1: the loss's log-sum-exps
+            assert fwd["all_gather"] == 2 * layers + 2 and fwd["reduce_scatter"] == 2 * layers + 1
+            assert fwd["all_reduce"] == 1
+            assert bwd["reduce_scatter"] == 2 * layers + 1 and bwd["all_gather"] == 2 * layers + 1
+            # LayerNorm weights and biases and the row-parallel biases see sequence shards:
+            # their gradients are all-reduced (2 norms x 2 + 2 biases per layer, + ln_f)
+            assert bwd["all_reduce"] == 6 * layers + 2
+
+
+def _inductor_run(rank, world):
+    from parity import parallel_run
+    return parallel_run(rank, world, (1, 1, 2), dict(plan="megatron", sequence_parallel=True, compile=True))
+
+
+def test_inductor_two_ranks(tmp_path):
+    """compile=True lowers each rank's graph through Inductor (C++ on CPU) and keeps parity."""
+    from parity import reference
+    ref_loss, ref_grads, _ = reference()
+    results = spawn(_inductor_run, 2, timeout=600, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+    for loss, grads, _, _ in results:
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5)
