@@ -74,7 +74,7 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
                             "microbatch shapes; re-plan for this batch size")
         return cap, strategies_from_plan(cap, options, plan), plan
     if plan == "megatron":
-        options = megatron_options(cap, options) if mesh.tp > 1 else options
+        options = megatron_options(cap, options, sequence_parallel is not False) if mesh.tp > 1 else options
     elif plan != "auto":
         raise ValueError(f"plan={plan!r}: expected 'auto', 'megatron', a Plan or a plan JSON path")
     inter = mesh.tp > gpus_per_node

@@ -39,14 +39,24 @@ def megatron_placements(cap: Captured) -> dict[str, Placement]:
     return out
 
 
-def megatron_options(cap: Captured, options: dict) -> dict:
+def megatron_options(cap: Captured, options: dict, sequence_parallel: bool) -> dict:
     """Strategy options restricted to Megatron's: its parameter placements taken as they lie,
-    and the loss computed vocab-parallel (the logits are never gathered)."""
-    from autopar.planner import pin_parameters
+    the loss computed vocab-parallel (the logits are never gathered), and with sequence
+    parallelism every activation of the transformer layers outside their tensor-parallel
+    regions sharded on sequence (the embeddings' layout is left to the solver)."""
+    from autopar.passes.rules import dim_labels
+    from autopar.planner import find_blocks, pin_parameters
 
     out = pin_parameters(options, cap, megatron_placements(cap))
+    labels = dim_labels(cap.gm, cap.inputs)
+    in_layers = {n for block in find_blocks(cap) or [] for n in block}
+
+    def on_seq(node, s):
+        return isinstance(s.output, Shard) and labels.get(node, ())[s.output.dim:s.output.dim + 1] == ("seq",)
+
     for node, opts in out.items():
-        vocab_parallel = [s for s in opts if s.local == "vocab_parallel_cross_entropy"]
-        if vocab_parallel:
-            out[node] = vocab_parallel
+        keep = [s for s in opts if s.local == "vocab_parallel_cross_entropy"]
+        if not keep and sequence_parallel and node in in_layers and node.op == "call_function":
+            keep = [s for s in opts if s.output != R] if any(on_seq(node, s) for s in opts) else []
+        out[node] = keep or opts
     return out
