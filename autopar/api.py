@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,8 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
     check_tp(cap, mesh.tp)
     options = enumerate_strategies(cap, mesh.tp, sequence_parallel)
     if isinstance(plan, str) and plan not in ("auto", "megatron"):
+        if not plan.lstrip().startswith("{") and not Path(plan).exists():
+            raise ValueError(f"plan={plan!r}: expected 'auto', 'megatron', a Plan or a plan JSON path")
         plan = Plan.from_json(plan)
     if isinstance(plan, Plan):
         if tuple(plan.mesh) != (mesh.dp, mesh.pp, mesh.tp):

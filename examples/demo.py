@@ -198,6 +198,7 @@ def main(argv=None) -> int:
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR",
                            os.path.join(tempfile.gettempdir(), "autopar-inductor-cache"))
     print(f"autopar demo: {mesh.world_size} gloo rank(s) on mesh {mesh}, {args.steps} steps", flush=True)
+    t0 = time.perf_counter()
 
     from autopar.examples import demo as this   # by import name, so spawned ranks can unpickle it
     from autopar.launch import spawn
@@ -207,6 +208,7 @@ def main(argv=None) -> int:
     if isinstance(first, tuple) and first[0] == "error":
         print(f"error: {' '.join(first[1].split())}", file=sys.stderr)
         return 2
+    print(f"done in {time.perf_counter() - t0:.1f} s (process start, planning, compiling and training)")
     return 0
 
 

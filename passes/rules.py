@@ -122,16 +122,24 @@ POINTWISE = [
 ]
 
 
+# f(0) == 0: padding of an uneven shard stays zero through these, so they may run on it
+ZERO_PRESERVING = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.gelu.default,
+                   aten.dropout.default, aten.relu.default, aten.silu.default, aten.tanh.default,
+                   aten.neg.default, aten.mul.Scalar, aten._to_copy.default, aten.clone.default,
+                   aten.contiguous.default, aten.alias.default, aten.detach.default, aten.to.dtype,
+                   aten.type_as.default}
+
+
 @rule(*POINTWISE)
 def elementwise(node: Node, ctx: RuleContext) -> list[Strategy]:
     out = shape(node)
     ins = node.all_input_nodes
     out_strats = [Strategy(tuple(R for _ in ins), R)]
     for d in range(len(out)):
-        if not ctx.shardable(node, d, exact=False):
+        if not ctx.shardable(node, d, exact=node.target not in ZERO_PRESERVING):
             continue
         for k in ctx.interleaves:
-            if out[d] % k:
+            if out[d] % k or (node.target not in ZERO_PRESERVING and (out[d] // k) % ctx.size):
                 continue
             placements = []
             for i in ins:
@@ -139,13 +147,22 @@ def elementwise(node: Node, ctx: RuleContext) -> list[Strategy]:
                 di = d - (len(out) - len(s))
                 placements.append(Shard(di, k) if di >= 0 and s[di] == out[d] else R)
             out_strats.append(Strategy(tuple(placements), Shard(d, k), ctx.size))
-    if node.target in _LINEAR_BINARY and all(shape(i) == out for i in ins):
-        out_strats.append(Strategy(tuple(P for _ in ins), P))
-    if node.target in _SCALING and len(ins) == 2 and shape(ins[0]) == out:
-        out_strats.append(Strategy((P, R), P))
-    if node.target in _SCALING and len(ins) == 1:
-        out_strats.append(Strategy((P,), P))
+    out_strats += _partial_strategies(node, out)
     return out_strats
+
+
+def _partial_strategies(node: Node, out: tuple[int, ...]) -> list[Strategy]:
+    """Where a sum of per-rank summands passes through: p + q, p - q, p * r, p / r, p * c."""
+    a, b = (list(node.args) + [None, None])[:2]
+    two = isinstance(a, Node) and isinstance(b, Node) and a is not b
+    if node.target in _LINEAR_BINARY and two and shape(a) == shape(b) == out:
+        return [Strategy((P, P), P)]
+    if node.target in _SCALING and two and shape(a) == out:
+        return [Strategy((P, R), P)] + ([Strategy((R, P), P)] if node.target is aten.mul.Tensor
+                                        and shape(b) == out else [])
+    if node.target in _SCALING and isinstance(a, Node) and not isinstance(b, Node):
+        return [Strategy((P,), P)]
+    return []
 
 
 # ---- views and layout ops ---------------------------------------------------------------
@@ -308,9 +325,15 @@ def sdpa(node: Node, ctx: RuleContext) -> list[Strategy]:
     """Attention over (B, heads, T, head_dim): heads are independent."""
     ins = node.all_input_nodes
     out = [Strategy(tuple(R for _ in ins), R)]
-    heads_q, heads_kv = shape(ins[0])[1], shape(ins[1])[1]
-    if heads_q % ctx.size == 0 and heads_kv % ctx.size == 0 and not ctx.labels.get(ins[0], ("",) * 2)[1] == "seq":
-        out.append(Strategy(tuple(Shard(1) for _ in ins), Shard(1), ctx.size))
+    q, k, v = node.args[:3]
+    heads_q, heads_kv = shape(q)[1], shape(k)[1]
+    if heads_q % ctx.size == 0 and heads_kv % ctx.size == 0 and not ctx.labels.get(q, ("",) * 2)[1] == "seq":
+        # a mask broadcast over heads stays whole; one with a heads dim is split like q
+        def placement(i: Node):
+            if i in (q, k, v) or (len(shape(i)) == 4 and shape(i)[1] == heads_q):
+                return Shard(1)
+            return R
+        out.append(Strategy(tuple(placement(i) for i in ins), Shard(1), ctx.size))
     return out
 
 

@@ -15,6 +15,13 @@ output to R) and run on gloo ranks:
   per its placement, the full gradient (R, P) on every rank, or this rank's shard of
   it (S; padding rows must get a zero gradient so padded parameters stay zero).
 
+Inputs are unit-scale random tensors (token ids in range, cross-entropy targets with
+some ``ignore_index``); an S input is ``shard_tensor`` of the full one (zero padding),
+a P input random per-rank summands of it. At tp=2 every case also runs fed from R and
+from P producers ("-fromR", "-fromP"), so the split / reduce-scatter / all-reduce +
+copy_to steps the rewrite inserts in front of the op are checked with it. Tolerance:
+rtol 1e-5, atol 1e-6 scaled by the reference tensor's magnitude (see ``_ratio``).
+
 All cases of one world size run in one ``spawn``; the rank function loops over them
 and sends back local outputs and gradients, which the parent compares. Cases are
 built from the graphs in the parent at collection time and shipped as picklable
@@ -37,14 +44,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.fx import Graph, GraphModule, Interpreter, Node
+from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_aggregate, map_arg
 
 from autopar import collectives as C
 from autopar.examples.gpt import GPT, GPTConfig, example_inputs
 from autopar.launch import spawn
 from autopar.passes.capture import Captured, capture_pass
-from autopar.passes.rules import RULES, Strategy
+from autopar.passes.rules import RULES, Strategy, is_float
 from autopar.passes.shard import shard_pass
 from autopar.placement import Partial, R, Replicate, Shard, local_shape, shard_tensor
 from autopar.planner import enumerate_strategies
@@ -52,11 +59,18 @@ from autopar.planner import enumerate_strategies
 aten = torch.ops.aten
 RTOL, ATOL = 1e-5, 1e-6
 WORLDS = (2, 4)
+VARIANT_WORLDS = (2,)     # world sizes that also run the fromR / fromP resharding variants
 BATCH, SEQ = 4, 12
 
-# Case-id substrings of strategies that are wrong in the library today (see the report in the
-# module that asked for this test). Strict xfail: once fixed, the XPASS fails until removed.
+# Strategies that are wrong in the library today, by case id ("tpN-" prefix optional: both world
+# sizes). Strict xfail: once the rule is fixed the case XPASSes, which fails until it is removed here.
 KNOWN_BUGS: dict[str, str] = {}
+
+
+def _known_bug(case_id: str) -> str | None:
+    """The reason a case is a known bug; the fromR / fromP variants share their base case's."""
+    base = case_id.removesuffix("-fromR").removesuffix("-fromP")
+    return KNOWN_BUGS.get(base) or KNOWN_BUGS.get(base.split("-", 1)[1])
 
 
 # ---- case specs -----------------------------------------------------------------------------
@@ -79,10 +93,11 @@ class Case:
     partials: dict = field(default_factory=dict)   # input k -> per-rank summands (P inputs)
     cot: list = field(default_factory=list)        # cotangent per output (None for int outputs)
     check_values: bool = True        # False for ops with undefined values (aten.empty)
+    sources: tuple | None = None     # placeholders' placements if not the strategy's inputs
 
     @property
     def placements(self):
-        return self.strategy.inputs
+        return self.sources or self.strategy.inputs
 
 
 def _resolve(name: str):
@@ -162,9 +177,9 @@ def make_case(cid: str, node: Node, strategy: Strategy, size: int, seed: int,
     val = _val(node)
     pieces = len(val) if isinstance(val, (list, tuple)) else None
     case = Case(cid, _target_name(node.target), args, kwargs, inputs, strategy, pieces,
-                check_values=node.target is not aten.empty.memory_format)
-    pl = placements or strategy.inputs
-    case.partials = {k: _summands(inputs[k], size, g) for k, p in enumerate(pl) if isinstance(p, Partial)}
+                check_values=node.target is not aten.empty.memory_format, sources=placements)
+    case.partials = {k: _summands(inputs[k], size, g) for k, p in enumerate(case.placements)
+                     if isinstance(p, Partial)}
     with torch.no_grad():
         outs = _reference_outputs(case, inputs)
     case.cot = [torch.randn(o.shape, generator=g).to(o.dtype) if o.is_floating_point() else None for o in outs]
@@ -274,7 +289,21 @@ def cases(size: int) -> tuple[Case, ...]:
                 seen.add(sig)
                 cid = f"tp{size}-{src}-{node.name}-{_strategy_key(s)}"
                 out.append(make_case(cid, node, s, size, seed=len(out)))
+                for suffix, sources in _reshard_variants(s, ins, size):
+                    out.append(make_case(cid + suffix, node, s, size, seed=len(out), placements=sources))
     return tuple(out)
+
+
+def _reshard_variants(s: Strategy, ins: list[Node], size: int):
+    """The same strategy fed from replicated / partial producers, so the rewrite inserts the
+    split, reduce-scatter and all-reduce (+ copy_to) steps of ``reshard_steps`` in front of it.
+
+    Only at tp=2 (runtime), and not for tuple inputs (the planner never reshards those)."""
+    if size not in VARIANT_WORLDS or any(isinstance(_val(i), (list, tuple)) for i in ins):
+        return []
+    from_r = tuple(p if isinstance(p, Partial) else R for p in s.inputs)
+    from_p = tuple(Partial() if is_float(i) else p for p, i in zip(s.inputs, ins))
+    return [(sfx, src) for sfx, src in (("-fromR", from_r), ("-fromP", from_p)) if src != s.inputs]
 
 
 def _sig_val(v):
@@ -284,11 +313,6 @@ def _sig_val(v):
 
 
 # ---- the rank side ----------------------------------------------------------------------------
-
-class _Recorder(Interpreter):
-    def __init__(self, gm):
-        super().__init__(gm, garbage_collect_values=False)
-
 
 def _one_op_graph(case: Case):
     """The global one-op graph of a case and the strategy of every node in it."""
@@ -341,16 +365,18 @@ def run_case(case: Case, size: int, rank: int, group: str) -> dict:
     gm, strategies = _one_op_graph(case)
     local = shard_pass(gm, strategies, size=size, rank=rank, group=group)
     inputs = [_leaves(_local_input(case, k, size, rank)) for k in range(len(case.inputs))]
-    rec = _Recorder(local)
-    res = rec.run(*inputs)
-    outs = list(res) if case.pieces else [res]
-    # the op's own local outputs: the output's arguments before the inserted collectives
+    # also return the op's own local outputs: the output's arguments before the inserted collectives
     out_node = next(n for n in local.graph.nodes if n.op == "output")
+    outs = list(out_node.args[0]) if case.pieces else [out_node.args[0]]
     pre = []
-    for n in (out_node.args[0] if case.pieces else [out_node.args[0]]):
+    for n in outs:
         while n.op == "call_function" and n.target in C.COLLECTIVE_FUNCTIONS:
             n = n.args[0]
-        pre.append(rec.env[n])
+        pre.append(n)
+    out_node.args = (tuple(outs) + tuple(pre),)
+    local.recompile()
+    res = local(*inputs)
+    outs, pre = list(res[:len(outs)]), list(res[len(outs):])
     result = {"out": [o.detach() for o in outs], "local": [v.detach() for v in pre], "grads": None}
     terms = [(o * c).sum() for o, c in zip(outs, case.cot)
              if c is not None and o.requires_grad and o.shape == c.shape]
@@ -366,7 +392,10 @@ def run_case(case: Case, size: int, rank: int, group: str) -> dict:
 
 
 def rank_main(rank: int, world: int, case_list) -> list[dict]:
-    """Spawned on every rank: run every case, never raise (errors are per case)."""
+    """Spawned on every rank: run every case, never raise (errors are per case).
+
+    A case that raises does so on every rank at the same op (local shapes are the same on
+    all ranks, padding included), so the ranks' collectives stay paired for the next case."""
     torch.manual_seed(1234)
     group = dist.group.WORLD.group_name
     out = []
@@ -525,7 +554,8 @@ def results(size: int) -> dict[str, dict]:
 def _params(size: int):
     out = []
     for c in cases(size):
-        marks = [pytest.mark.xfail(strict=True, reason=why) for key, why in KNOWN_BUGS.items() if key in c.id]
+        why = _known_bug(c.id)
+        marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
         out.append(pytest.param(c.id, id=c.id, marks=marks))
     return out
 
@@ -587,6 +617,12 @@ def test_every_rule_is_exercised():
     assert not missing, f"rules without a case: {missing}"
 
 
+def test_known_bugs_name_real_cases():
+    ids = {c.id for size in WORLDS for c in cases(size)}
+    stale = [k for k in KNOWN_BUGS if k not in ids and not any(i.split("-", 1)[1] == k for i in ids)]
+    assert not stale, f"KNOWN_BUGS entries that match no case (renamed?): {stale}"
+
+
 def test_counts():
     for size in WORLDS:
         assert len(cases(size)) > 100, (size, len(cases(size)))
@@ -617,7 +653,7 @@ class _CumsumModel(nn.Module):
         self.blk = nn.Sequential(_CumsumInner())
 
     def forward(self, x):
-        return self.blk(self.lin(x)).sum()
+        return self.blk(self.lin(x))
 
 
 def test_op_without_rule_warns_and_replicates():

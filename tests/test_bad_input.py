@@ -1,0 +1,117 @@
+"""Bad input fails early with a sentence a user can act on."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import autopar
+from autopar.examples.gpt import GPTConfig, GPT, build, example_inputs
+from autopar.launch import RankError, spawn
+from parity import BATCH, SEQ, TINY, make_model
+
+
+def _plan(mesh, cfg=TINY, batch=BATCH, **kw):
+    model = GPT(cfg).to("meta")
+    return autopar.plan(model, mesh, example_inputs(cfg, batch, SEQ, device="meta"), **kw)
+
+
+def test_tp_not_dividing_heads_lists_valid_tp():
+    with pytest.raises(autopar.PlanError, match=r"tp=3 does not divide 4 attention heads.*valid tp for this model: 1, 2, 4"):
+        _plan((1, 1, 3))
+
+
+def test_dp_not_dividing_batch():
+    with pytest.raises(ValueError, match=r"batch size 4 is not divisible by dp=3"):
+        _plan((3, 1, 1))
+
+
+def test_bad_mesh_shapes():
+    with pytest.raises(ValueError, match="positive integer"):
+        autopar.Mesh(0, 1, 1)
+    with pytest.raises(ValueError, match=r"expected three integers"):
+        autopar.Mesh.parse("2,x,1")
+    with pytest.raises(NotImplementedError, match="pipeline parallelism"):
+        _plan((1, 2, 1))
+
+
+def test_unknown_plan_name():
+    with pytest.raises(ValueError, match="expected 'auto', 'megatron'"):
+        _plan((1, 1, 2), plan="fastest")
+
+
+def test_memory_budget_too_small_says_minimum():
+    with pytest.raises(ValueError, match="needs at least"):
+        _plan((1, 1, 2), memory_budget="1KiB")
+    with pytest.raises(ValueError, match="expected a size"):
+        _plan((1, 1, 2), memory_budget="lots")
+
+
+def test_plan_json_round_trip_and_reuse(tmp_path):
+    plan = _plan((1, 1, 2), plan="megatron")
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    again = autopar.Plan.from_json(path)
+    assert again == plan
+    assert _plan((1, 1, 2), plan=str(path)) == plan
+    assert "S(0)i3" in plan.summary() and "Predicted step time" in plan.summary()
+
+
+def test_malformed_plan_names_field(tmp_path):
+    data = json.loads(_plan((1, 1, 2), plan="megatron").to_json())
+    broken = dict(data, zero="one")
+    with pytest.raises(autopar.PlanFormatError, match=r"plan.zero: expected int"):
+        autopar.Plan.from_json(json.dumps(broken))
+    del broken["zero"]
+    broken["zero"] = 0
+    broken.pop("nodes")
+    with pytest.raises(autopar.PlanFormatError, match=r"plan.nodes is missing"):
+        autopar.Plan.from_json(json.dumps(broken))
+    with pytest.raises(autopar.PlanFormatError, match="not valid JSON"):
+        autopar.Plan.from_json("{nope")
+
+
+def test_plan_that_does_not_fit_the_model(tmp_path):
+    data = json.loads(_plan((1, 1, 2), plan="megatron").to_json())
+    wrong = json.loads(json.dumps(data))
+    fc = next(p for p in wrong["parameters"] if p["fqn"] == "transformer.h.1.mlp.c_fc.weight")
+    fc["shape"] = [7, 7]
+    with pytest.raises(autopar.PlanFormatError, match=r"transformer.h.1.mlp.c_fc.weight.*shape"):
+        _plan((1, 1, 2), plan=autopar.Plan.from_json(json.dumps(wrong)))
+    wrong = json.loads(json.dumps(data))
+    node = next(n for n in wrong["nodes"] if n["module"] == "transformer.h.1.mlp.c_fc" and n["op"].startswith("aten.linear"))
+    node["output"] = "S(0)"
+    with pytest.raises(autopar.PlanFormatError, match=r"transformer.h.1.mlp.c_fc.*valid"):
+        _plan((1, 1, 2), plan=autopar.Plan.from_json(json.dumps(wrong)))
+    with pytest.raises(autopar.PlanError, match="does not match the mesh"):
+        _plan((2, 1, 1), plan=autopar.Plan.from_json(json.dumps(data)))
+
+
+def _wrong_world(rank, world):
+    idx, tgt = example_inputs(TINY, BATCH, SEQ)
+    autopar.parallelize(make_model(), (1, 1, 4), (idx, tgt), compile=False)
+
+
+def test_mesh_not_matching_world_size():
+    with pytest.raises(RankError, match=r"mesh \(dp=1, pp=1, tp=4\) needs 4 ranks but the world has 2"):
+        spawn(_wrong_world, 2, timeout=120)
+
+
+def _padded_vocab(rank, world, cfg):
+    from parity import parallel_run
+    return parallel_run(rank, world, (1, 1, 2), dict(plan="megatron", sequence_parallel=True, compile=False), cfg=cfg)
+
+
+def test_vocab_not_divisible_by_tp_is_padded():
+    """GPT-2's 50257 does not divide by tp: the vocabulary is padded and the loss unchanged."""
+    from dataclasses import replace
+    from parity import reference
+    cfg = replace(TINY, vocab_size=95)
+    ref_loss, ref_grads, _ = reference(cfg)
+    for loss, grads, _, plan in spawn(_padded_vocab, 2, cfg, timeout=300):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6)
+        wte = next(p for p in json.loads(plan)["parameters"] if p["fqn"] == "transformer.wte.weight")
+        assert wte["shape"] == [95, 32] and wte["local_shape"] == [48, 32]
