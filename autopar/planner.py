@@ -210,19 +210,14 @@ def _edge_matrix(producer: Node, consumer: Node, slot: int, options, tp, dev, in
     return m
 
 
-_flop_cache: dict = {}
-
-
 def _strategy_time(node: Node, s: Strategy, tp: int, dev, inter_node: bool, with_comm: bool = True) -> float:
     if node.op != "call_function" or node.target in _FREE:
         return 0.0
-    if node not in _flop_cache:
-        fwd, bwd = node_flops(node)
-        # Inductor fuses chains of pointwise ops, so one costs about a write of its output
-        # forward and one backward; other ops read and write their tensors, backward ~2x.
-        traffic = 2 * tensor_bytes(node) if node.target in POINTWISE else 3 * node_bytes(node)
-        _flop_cache[node] = (fwd + bwd, traffic)
-    flops, nbytes = _flop_cache[node]
+    fwd, bwd = node_flops(node)   # cached by the cost model per op signature
+    flops = fwd + bwd
+    # Inductor fuses chains of pointwise ops, so one costs about a write of its output
+    # forward and one backward; other ops read and write their tensors, backward ~2x.
+    nbytes = 2 * tensor_bytes(node) if node.target in POINTWISE else 3 * node_bytes(node)
     val = node.meta["val"]
     dtype = val.dtype if isinstance(val, torch.Tensor) else torch.float32
     t = compute_time(flops / s.divisor, nbytes / s.divisor, dev, dtype)
