@@ -126,7 +126,7 @@ class Plan:
             lines.append(f"  {p.fqn:44s} {str(list(p.shape)):16s} {pl:22s} {list(p.local_shape)}{alias}")
         lines += ["", "Collectives per step (count, MiB, by place):"]
         for c in _collapse_collectives(self.collectives):
-            lines.append(f"  {c.where:44s} {c.phase:4s} {c.kind:15s} {c.axis:3s} x{c.count:<5d} "
+            lines.append(f"  {c.where or '(top level)':44s} {c.phase:4s} {c.kind:15s} {c.axis:3s} x{c.count:<5d} "
                          f"{c.bytes / 2**20:10.2f} MiB")
         lines += ["", f"Predicted step time {self.predicted_step_time * 1e3:.3f} ms "
                       f"(compute {self.predicted_compute_s * 1e3:.3f} ms, "
