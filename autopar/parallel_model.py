@@ -25,7 +25,7 @@ class ParallelModel:
         self.mesh = mesh
         self.coords = mesh.coords(dist.get_rank())
         self._tp_group = group_name(dmesh, "tp")
-        self._dp_pg = dmesh.get_group("dp")
+        self._dp_group = group_name(dmesh, "dp")
         gm = cap.gm
         if mesh.tp > 1:
             gm = shard_pass(gm, strategies, size=mesh.tp, rank=self.coords["tp"], group=self._tp_group)
@@ -78,13 +78,11 @@ class ParallelModel:
             (loss / m).backward()
             total = total + loss.detach() / m
         if self.mesh.dp > 1:
-            total = total.clone()
-            dist.all_reduce(total, group=self._dp_pg)
-            total = total / self.mesh.dp
+            total = C.all_reduce(total, self._dp_group) / self.mesh.dp
             if self._zero is not None:
                 self._zero.reduce_scatter_grads()
             else:
-                _all_reduce_mean([p.grad for p in self.parameters() if p.grad is not None], self._dp_pg)
+                _all_reduce_mean([p.grad for p in self.parameters() if p.grad is not None], self._dp_group, self.mesh.dp)
         return total
 
     def _dp_slice(self, x):
@@ -144,12 +142,11 @@ def _comm_device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _all_reduce_mean(tensors, group):
+def _all_reduce_mean(tensors, group: str, size: int):
+    """Average tensors over a group in one flat all-reduce (one launch, not one per tensor)."""
     if not tensors:
         return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
+    flat = C.all_reduce(torch.cat([t.reshape(-1) for t in tensors]), group) / size
     for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
         t.copy_(piece.view_as(t))
 
@@ -214,24 +211,23 @@ class _Zero1:
     def reduce_scatter_grads(self):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = self._flat(grads)
-        out = torch.empty(self.chunk, dtype=flat.dtype, device=flat.device)
-        dist.reduce_scatter_tensor(out, flat, group=self.pm._dp_pg)
-        self.shard.grad = out / self.pm.mesh.dp
+        self.shard.grad = C.reduce_scatter(flat, 0, self.pm._dp_group, self.pm.mesh.dp) / self.pm.mesh.dp
         for p in self.params:
             p.grad = None   # the full gradients are not kept: that is ZeRO's saving
 
     def clip_grad_norm_(self, max_norm):
         g = self.shard.grad.float()
         sq = torch.stack([(g.pow(2) * self.sharded_mask).sum(), (g.pow(2) * (1 - self.sharded_mask)).sum()])
-        dist.all_reduce(sq, group=self.pm._dp_pg)
+        sq = C.all_reduce(sq, self.pm._dp_group)
         norm = self.pm._norm(sq)
         _scale([self.shard.grad], max_norm, norm)
         return norm
 
     def all_gather_params(self):
-        flat = torch.empty(self.total, dtype=self.shard.dtype, device=self.shard.device)
-        dist.all_gather_into_tensor(flat, self.shard.detach().contiguous(), group=self.pm._dp_pg)
+        dp = self.pm.mesh.dp
         with torch.no_grad():
+            flat = C.all_gather(self.shard.detach(), 0, self.pm._dp_group, dp, self.pm.coords["dp"],
+                                self.total, False)
             for p, piece in zip(self.params, flat[:sum(self.sizes)].split(self.sizes)):
                 p.copy_(piece.view_as(p))
 

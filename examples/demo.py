@@ -115,17 +115,11 @@ def _check(args, cfg, seq):
 def train_rank(rank: int, world_size: int, args: dict):
     """One gloo rank: parallelize, train, and on rank 0 print as it goes. Returns the loss curve,
     or ("error", message) when autopar refuses the request (every rank learns of it the same way)."""
-    import warnings
-
     import torch
 
     import autopar
     from autopar.examples.gpt import GPT
 
-    # torch 2.13 renamed reduce_scatter_tensor/all_gather_into_tensor (used by ZeRO-1); its
-    # deprecation notice is not the demo's business.
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated",
-                            category=FutureWarning)
     cfg, seq = args["cfg"], args["seq"]
     console = _console() if rank == 0 else None
     torch.manual_seed(0)

@@ -127,6 +127,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         B, T = idx.shape
+        assert T <= self.config.block_size, f"sequence length {T} exceeds block_size {self.config.block_size}"
         pos = torch.arange(0, T, dtype=torch.long, device=idx.device)   # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
