@@ -31,9 +31,9 @@ def parse_bytes(value) -> float | None:
 
 
 def _check_knobs(mesh: Mesh, recompute, schedule, zero, sequence_parallel):
-    if mesh.pp > 1:
-        raise NotImplementedError(f"mesh {mesh}: pipeline parallelism (pp > 1) is not available yet; "
-                                  "use pp=1")
+    from autopar.pipeline import SCHEDULES
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
     if recompute != "none":
         raise NotImplementedError(f"recompute={recompute!r} is not available yet; use recompute='none'")
     if zero not in (0, 1):
@@ -53,13 +53,60 @@ def _local_inputs(example_inputs, mesh: Mesh, microbatches: int):
     return tuple(x[:b] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in example_inputs)
 
 
+def _virtual(schedule: str, virtual_stages) -> int:
+    v = virtual_stages or (2 if schedule.startswith("Interleaved") else 1)
+    if v > 1 and not schedule.startswith("Interleaved"):
+        raise ValueError(f"virtual_stages={v} needs an interleaved schedule, not {schedule}")
+    return v
+
+
+def _microbatch_options(mesh: Mesh, batch: int, schedule: str, microbatches) -> list[int]:
+    """The microbatch counts the schedule can take for this batch (one, if the user fixed it)."""
+    local = batch // mesh.dp if batch % mesh.dp == 0 else batch
+    if microbatches is not None:
+        if mesh.pp > 1 and microbatches < mesh.pp:
+            raise ValueError(f"microbatches={microbatches} is fewer than the {mesh.pp} pipeline stages; "
+                             f"use at least {mesh.pp} so every stage has work")
+        if schedule.startswith("Interleaved") and microbatches % mesh.pp:
+            raise ValueError(f"{schedule} needs the microbatch count to be a multiple of pp={mesh.pp}; "
+                             f"got {microbatches}")
+        return [microbatches]
+    if mesh.pp == 1:
+        return [1]
+    ok = [m for m in range(mesh.pp, local + 1) if local % m == 0
+          and (not schedule.startswith("Interleaved") or m % mesh.pp == 0)]
+    if not ok:
+        raise ValueError(f"a dp-local batch of {local} cannot be split into at least pp={mesh.pp} "
+                         f"microbatches for {schedule}; use a batch that is a multiple of {mesh.dp * mesh.pp}")
+    return ok
+
+
 def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto", recompute="none",
            memory_budget=None, schedule="1F1B", microbatches=None, zero=0, device="h100",
-           gpus_per_node=8) -> tuple[Captured, dict, Plan]:
-    """Capture and plan: the graph, the strategy per node and the Plan (no process group needed)."""
+           gpus_per_node=8, stages=None, virtual_stages=None) -> tuple[Captured, dict, Plan]:
+    """Capture and plan: the graph, the strategy per node and the Plan (no process group needed).
+
+    With pp > 1 and no ``microbatches``, every count the schedule can take is planned and
+    the one with the lowest predicted step time is kept."""
     mesh = Mesh.parse(mesh)
     _check_knobs(mesh, recompute, schedule, zero, sequence_parallel)
-    m = microbatches or 1
+    knobs = dict(plan=plan, sequence_parallel=sequence_parallel, memory_budget=memory_budget,
+                 schedule=schedule, zero=zero, device=device, gpus_per_node=gpus_per_node, stages=stages,
+                 virtual_stages=virtual_stages)
+    options = _microbatch_options(mesh, example_inputs[0].shape[0], schedule, microbatches)
+    if isinstance(plan, Plan):
+        options = [plan.microbatches]
+    if len(options) > 1:
+        best = min((_decide(model, mesh, example_inputs, microbatches=m, **knobs) for m in options),
+                   key=lambda r: r[2].predicted_step_time)
+        return best
+    return _decide(model, mesh, example_inputs, microbatches=options[0], **knobs)
+
+
+def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budget, schedule, microbatches,
+            zero, device, gpus_per_node, stages, virtual_stages):
+    m = microbatches
+    v = _virtual(schedule, virtual_stages)
     dev = get_device(device)
     cap = capture_pass(model, _local_inputs(example_inputs, mesh, m))
     check_tp(cap, mesh.tp)
@@ -85,7 +132,31 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
              for n, s in assignment.strategies.items())
     result = build_plan(cap, assignment, mesh, dev, sequence_parallel=sp, zero=zero, microbatches=m,
                         source=plan, gpus_per_node=gpus_per_node)
+    if mesh.pp > 1:
+        result = _with_stages(result, cap, assignment.strategies, mesh, dev, schedule=schedule, virtual=v,
+                              zero=zero, gpus_per_node=gpus_per_node, memory_budget=parse_bytes(memory_budget),
+                              stages=stages)
     return cap, assignment.strategies, result
+
+
+def _with_stages(result: Plan, cap, strategies, mesh, dev, *, schedule, virtual, zero, gpus_per_node,
+                 memory_budget, stages) -> Plan:
+    """The plan with its pipeline stages cut by the cost model (or as ``stages`` says)."""
+    import dataclasses
+
+    from autopar.pipeline import choose_cut, layer_units, unit_costs
+    from autopar.plan import StagePlan
+
+    units = layer_units(cap)
+    costs = unit_costs(cap, strategies, units, mesh, dev, zero=zero, gpus_per_node=gpus_per_node,
+                       microbatches=result.microbatches)
+    cut = choose_cut(costs, units, mesh, schedule=schedule, microbatches=result.microbatches, virtual=virtual,
+                     memory_budget=memory_budget if memory_budget is not None else dev.memory_bytes, stages=stages)
+    stage_plans = tuple(StagePlan(s, s % mesh.pp, tuple(m for u in units[a:b] for m in u.modules),
+                                  float(cut.stage_times[s]), float(cut.rank_memory[s % mesh.pp]))
+                        for s, (a, b) in enumerate(cut.bounds))
+    return dataclasses.replace(result, schedule=schedule, virtual_stages=virtual, stages=stage_plans,
+                               predicted_compute_s=float(cut.step_time))
 
 
 def plan(model, mesh, example_inputs, *, device="h100", gpus_per_node=8, **knobs) -> Plan:
@@ -104,7 +175,7 @@ def _default_device() -> str:
 
 def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto", recompute="none",
                 memory_budget=None, schedule="1F1B", microbatches=None, zero=0, compile=True,
-                device=None):
+                device=None, stages=None, virtual_stages=None):
     """Plan ``model`` for ``mesh`` and build this rank's parallel program.
 
     Call it on every rank of an initialised process group (``torchrun``, or
@@ -112,7 +183,9 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
     Rank 0 plans and broadcasts the plan, so every rank runs the same decisions.
     ``compile``: True lowers through torch.compile (Inductor), a string or callable names
     another torch.compile backend (e.g. "aot_eager"), False runs the rewritten graph eagerly.
-    ``device``: the cost model's device preset or profile (default: this machine's kind)."""
+    ``device``: the cost model's device preset or profile (default: this machine's kind).
+    ``stages``: with pp > 1, module FQNs per stage to override the cost model's cut.
+    ``virtual_stages``: stages per pipeline rank (interleaved schedules; default 2 there)."""
     from autopar.launch import init_distributed
     from autopar.parallel_model import ParallelModel
 
@@ -124,7 +197,8 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
         raise ValueError(f"mesh {mesh_} needs {mesh_.world_size} ranks but the world has "
                          f"{dist.get_world_size()}; launch {mesh_.world_size} processes or change the mesh")
     knobs = dict(sequence_parallel=sequence_parallel, recompute=recompute, memory_budget=memory_budget,
-                 schedule=schedule, microbatches=microbatches, zero=zero, device=device or _default_device())
+                 schedule=schedule, microbatches=microbatches, zero=zero, device=device or _default_device(),
+                 stages=stages, virtual_stages=virtual_stages)
     box = [None]
     if dist.get_rank() == 0:
         try:

@@ -32,10 +32,22 @@ class ParallelModel:
         self.graph_module = gm
         self._placement = {p.fqn: parse_placement(p.placements["tp"]) for p in plan.parameters}
         self._aliases = {p.fqn: p.aliases for p in plan.parameters}
-        self._params = _materialize(model, cap, self._placement, mesh.tp, self.coords["tp"])
+        self._device = _comm_device()
+
+        def materialize(fqns):
+            return _materialize(model, cap, self._placement, mesh.tp, self.coords["tp"], fqns)
+
+        self._pipeline = None
+        if mesh.pp > 1:
+            from autopar.pipeline import Pipeline
+            self._pipeline = Pipeline(self, gm, cap, plan, dmesh, compile, materialize)
+            self._params = self._pipeline.params
+        else:
+            self._params = materialize(set(cap.params))
+            self._fn = torch.compile(gm, backend="inductor" if compile is True else compile) if compile else gm
         self._buffers = {fqn: b for fqn, b in model.named_buffers() if fqn in cap.buffers}
         self._slots = [(n.meta.get("kind"), n.meta.get("fqn")) for n in gm.graph.nodes if n.op == "placeholder"]
-        self._fn = torch.compile(gm, backend="inductor" if compile is True else compile) if compile else gm
+        self._input_names = [n.name for n in cap.inputs]
         self._global_batch = plan.input_shapes[0][0] * mesh.dp * plan.microbatches if plan.input_shapes else None
         self._zero = _Zero1(self) if plan.zero else None
 
@@ -56,7 +68,10 @@ class ParallelModel:
     # ---- the step ------------------------------------------------------------------------
 
     def __call__(self, *inputs):
-        """Forward only: this rank's loss for one dp-local microbatch."""
+        """Forward only: this rank's loss for one dp-local microbatch (pp=1)."""
+        if self._pipeline is not None:
+            raise NotImplementedError("with pp > 1 the schedule runs forward and backward together; "
+                                      "use train_step")
         args, it = [], iter(inputs)
         for kind, fqn in self._slots:
             args.append(self._params[fqn] if kind == "param" else self._buffers[fqn] if kind == "buffer"
@@ -72,17 +87,24 @@ class ParallelModel:
         the full batch's mean loss when every microbatch has the same token count)."""
         m = self.plan.microbatches
         inputs = [self._dp_slice(x) for x in inputs]
-        total = 0.0
-        for chunk in zip(*[x.chunk(m) if isinstance(x, torch.Tensor) else [x] * m for x in inputs]):
-            loss = self(*chunk)
-            (loss / m).backward()
-            total = total + loss.detach() / m
+        if self._pipeline is not None:
+            total = self._pipeline.step(dict(zip(self._input_names, inputs)))
+        else:
+            total = self._microbatches(inputs, m)
         if self.mesh.dp > 1:
             total = C.all_reduce(total, self._dp_group) / self.mesh.dp
             if self._zero is not None:
                 self._zero.reduce_scatter_grads()
             else:
                 _all_reduce_mean([p.grad for p in self.parameters() if p.grad is not None], self._dp_group, self.mesh.dp)
+        return total
+
+    def _microbatches(self, inputs, m: int) -> torch.Tensor:
+        total = 0.0
+        for chunk in zip(*[x.chunk(m) if isinstance(x, torch.Tensor) else [x] * m for x in inputs]):
+            loss = self(*chunk)
+            (loss / m).backward()
+            total = total + loss.detach() / m
         return total
 
     def _dp_slice(self, x):
@@ -107,7 +129,7 @@ class ParallelModel:
             return self._zero.clip_grad_norm_(max_norm)
         sq = torch.zeros(2)
         for fqn, p in self._params.items():
-            if p.grad is not None:
+            if p.grad is not None and self._owns(fqn):
                 sq[0 if self._sharded(fqn) else 1] += p.grad.detach().float().pow(2).sum().cpu()
         norm = self._norm(sq)
         _scale([p.grad for p in self.parameters() if p.grad is not None], max_norm, norm)
@@ -116,8 +138,17 @@ class ParallelModel:
     def _norm(self, sq: torch.Tensor) -> torch.Tensor:
         """sqrt(sum over tp of sharded squares + replicated squares); sq = [sharded, replicated]."""
         if self.mesh.tp > 1:
-            sq[0] = C.all_reduce(sq[0:1].to(_comm_device()), self._tp_group).cpu()[0]
+            sq[0] = C.all_reduce(sq[0:1].to(self._device), self._tp_group).cpu()[0]
+        if self._pipeline is not None:
+            sq = C.all_reduce(sq.to(self._device), self._pipeline.pp_group).cpu()
         return sq.sum().sqrt()
+
+    def _owns(self, fqn: str) -> bool:
+        """Whether this pipeline rank counts ``fqn`` (a weight on several stages counts once)."""
+        return self._pipeline is None or self._pipeline.owner[fqn] == self.coords["pp"]
+
+    def _local_shape(self, fqn: str) -> tuple[int, ...]:
+        return next(tuple(p.local_shape) for p in self.plan.parameters if p.fqn == fqn)
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -126,10 +157,12 @@ class ParallelModel:
         unsharded model with ``load_state_dict(strict=False)`` (buffers are not included)."""
         out = {}
         with torch.no_grad():
-            for fqn, p in self._params.items():
-                full = next(q.shape for q in self.plan.parameters if q.fqn == fqn)
-                pl = self._placement[fqn]
-                x = p.detach()
+            for q in self.plan.parameters:
+                fqn, full, pl = q.fqn, q.shape, self._placement[q.fqn]
+                x = self._params[fqn].detach() if fqn in self._params else None
+                if self._pipeline is not None:   # the owning stage's copy, sent to every pp rank
+                    mine = x if x is not None and self._owns(fqn) else torch.zeros(self._local_shape(fqn))
+                    x = C.all_reduce(mine.to(self._device), self._pipeline.pp_group)
                 if self._sharded(fqn):
                     x = C.all_gather(x.to(_comm_device()), pl.dim, self._tp_group, self.mesh.tp,
                                      self.coords["tp"], full[pl.dim] // pl.interleave, False, pl.interleave)
@@ -158,12 +191,12 @@ def _scale(tensors, max_norm, norm):
             t.mul_(coef)
 
 
-def _materialize(model, cap, placements, size: int, rank: int) -> dict[str, torch.nn.Parameter]:
-    """Local shards: sliced from real weights, or for a meta model initialised shard by shard."""
+def _materialize(model, cap, placements, size: int, rank: int, fqns) -> dict[str, torch.nn.Parameter]:
+    """Local shards of ``fqns``: sliced from real weights, or for a meta model initialised shard by shard."""
     full = dict(model.named_parameters())
-    dev = _comm_device() if torch.cuda.is_available() else torch.device("cpu")
+    dev = _comm_device()
     out = {}
-    for fqn, node in cap.params.items():
+    for fqn in (f for f in cap.params if f in fqns):
         p, pl = full[fqn], placements[fqn]
         if p.is_meta:
             init = getattr(model, "init_parameter", None)

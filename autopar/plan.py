@@ -54,6 +54,17 @@ class CollectivePlan:
 
 
 @dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: where it runs, what it holds, what the cost model expects of it."""
+
+    index: int
+    rank: int                      # pipeline rank (pp coordinate) that runs it
+    modules: tuple[str, ...]
+    predicted_time_s: float        # forward + backward of one microbatch
+    memory_bytes: float            # static state plus in-flight activations, per rank share
+
+
+@dataclass(frozen=True)
 class Plan:
     """A complete parallelization decision for one model, mesh and input shape."""
 
@@ -69,6 +80,9 @@ class Plan:
     predicted_compute_s: float
     predicted_comm_s: float
     solve_seconds: float = 0.0
+    schedule: str = "1F1B"
+    virtual_stages: int = 1
+    stages: tuple[StagePlan, ...] = ()
     source: str = "auto"
     version: int = PLAN_VERSION
     notes: tuple[str, ...] = field(default=())
@@ -128,6 +142,13 @@ class Plan:
         for c in _collapse_collectives(self.collectives):
             lines.append(f"  {c.where or '(top level)':44s} {c.phase:4s} {c.kind:15s} {c.axis:3s} x{c.count:<5d} "
                          f"{c.bytes / 2**20:10.2f} MiB")
+        if self.stages:
+            lines += ["", f"Pipeline: {len(self.stages)} stages ({self.virtual_stages} per rank), schedule "
+                          f"{self.schedule}, {self.microbatches} microbatches:"]
+            for s in self.stages:
+                mods = s.modules[0] + (f" .. {s.modules[-1]}" if len(s.modules) > 1 else "")
+                lines.append(f"  stage {s.index} on pp rank {s.rank}: {mods:50s} "
+                             f"{s.predicted_time_s * 1e3:9.3f} ms/microbatch {s.memory_bytes / 2**30:8.2f} GiB")
         lines += ["", f"Predicted step time {self.predicted_step_time * 1e3:.3f} ms "
                       f"(compute {self.predicted_compute_s * 1e3:.3f} ms, "
                       f"communication {self.predicted_comm_s * 1e3:.3f} ms); solved in {self.solve_seconds:.2f} s"]
@@ -183,7 +204,8 @@ def _build(cls, data, where: str):
     return cls(**kwargs)
 
 
-_NESTED = {"ParamPlan": ParamPlan, "NodePlan": NodePlan, "CollectivePlan": CollectivePlan}
+_NESTED = {"ParamPlan": ParamPlan, "NodePlan": NodePlan, "CollectivePlan": CollectivePlan,
+           "StagePlan": StagePlan}
 
 
 def _convert(tp: str, value, name: str):

@@ -244,7 +244,7 @@ def _op_name(node: Node) -> str:
 
 
 def tp_collectives(cap: Captured, strategies: dict[Node, Strategy], tp: int):
-    """(phase, kind, where, bytes) of every tp collective the rewrite will emit."""
+    """(phase, kind, where, bytes, consumer node) of every tp collective the rewrite will emit."""
     out, seen = [], set()
     for c in cap.gm.graph.nodes:
         if c.op == "output":
@@ -253,7 +253,7 @@ def tp_collectives(cap: Captured, strategies: dict[Node, Strategy], tp: int):
             s = strategies[c]
             pairs = [(p, s.inputs[k], s.divergent(k) and is_float(p)) for k, p in enumerate(c.all_input_nodes)]
             rows = shape(c.args[0])[0] if s.comm else 0
-            out += [("fwd", kind, c.meta.get("module_path", ""), _comm_bytes(kind, rows, tp))
+            out += [("fwd", kind, c.meta.get("module_path", ""), _comm_bytes(kind, rows, tp), c)
                     for kind, _ in s.comm]
         else:
             continue
@@ -264,7 +264,7 @@ def tp_collectives(cap: Captured, strategies: dict[Node, Strategy], tp: int):
             steps = reshard_steps(strategies[p].output, dst, div)
             nbytes = tensor_bytes(c if isinstance(p.meta.get("val"), (list, tuple)) else p)
             where = c.meta.get("module_path", "") or p.meta.get("module_path", "")
-            out += [(phase, kind, where, nbytes) for phase, kind in step_collectives(steps, is_float(p))]
+            out += [(phase, kind, where, nbytes, c) for phase, kind in step_collectives(steps, is_float(p))]
     return out
 
 
@@ -293,7 +293,7 @@ def build_plan(cap: Captured, assignment: Assignment, mesh, dev, *, sequence_par
                   for n in cap.gm.graph.nodes if n.op == "call_function")
     m = microbatches
     agg: dict[tuple, list] = {}
-    for phase, kind, where, nbytes in tp_collectives(cap, strategies, tp) if tp > 1 else []:
+    for phase, kind, where, nbytes, _ in tp_collectives(cap, strategies, tp) if tp > 1 else []:
         a = agg.setdefault((kind, "tp", phase, where), [0, 0.0])
         a[0] += m
         a[1] += nbytes * m

@@ -1,4 +1,8 @@
-"""The tensor-parallel rewrite: one rank's local graph from the global graph and its strategies."""
+"""The tensor-parallel rewrite: one rank's local graph from the global graph and its strategies.
+
+Every node of the local graph records in ``meta["origin"]`` the global node it serves (a
+collective inserted for an input belongs to its consumer), so later passes such as the
+pipeline split can place it."""
 from __future__ import annotations
 
 import torch
@@ -57,6 +61,10 @@ def shard_pass(gm: GraphModule, strategies: dict[Node, Strategy], *, size: int, 
             env[node].meta["module_path"] = node.meta.get("module_path", "")
         else:
             raise NotImplementedError(f"autopar: cannot rewrite graph node {node.op} {node.target}")
+        for new in reversed(g.nodes):   # this node and the collectives inserted for its inputs
+            if "origin" in new.meta:
+                break
+            new.meta["origin"] = node.name
     out = GraphModule(gm, g)
     out.graph.lint()
     return out

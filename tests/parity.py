@@ -15,10 +15,10 @@ def make_model(cfg: GPTConfig = TINY, seed: int = 0) -> GPT:
     return GPT(cfg)
 
 
-def reference(cfg: GPTConfig = TINY, steps: int = 0, lr: float = 1e-3):
+def reference(cfg: GPTConfig = TINY, steps: int = 0, lr: float = 1e-3, batch: int = BATCH):
     """Loss, gradients and (with steps) the loss curve of the unsharded model."""
     model = make_model(cfg)
-    idx, tgt = example_inputs(cfg, BATCH, SEQ)
+    idx, tgt = example_inputs(cfg, batch, SEQ)
     loss = model(idx, tgt)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
@@ -35,10 +35,10 @@ def reference(cfg: GPTConfig = TINY, steps: int = 0, lr: float = 1e-3):
     return loss.item(), grads, curve
 
 
-def parallel_run(rank, world, mesh, knobs, cfg=TINY, steps=0, lr=1e-3):
+def parallel_run(rank, world, mesh, knobs, cfg=TINY, steps=0, lr=1e-3, batch=BATCH):
     """On one rank: loss, gathered gradients and loss curve of the parallel model."""
     model = make_model(cfg)
-    idx, tgt = example_inputs(cfg, BATCH, SEQ)
+    idx, tgt = example_inputs(cfg, batch, SEQ)
     pm = autopar.parallelize(model, mesh, (idx, tgt), **knobs)
     loss = pm.train_step(idx, tgt).item()
     grads = _gathered_grads(pm) if not knobs.get("zero") else None

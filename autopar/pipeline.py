@@ -1,0 +1,225 @@
+"""Pipeline parallelism: layer units, their costs, stage cuts, and the stages at run time.
+
+The ordered units are the embedding (everything before the first block), each repeated
+block, and the head (everything after the last block, loss included). The cost model
+prices each unit per microbatch under the chosen tensor-parallel strategies;
+``autopar.stage_dp`` cuts them into stages; ``passes.pipeline_split`` makes the stage
+graphs; torch.distributed.pipelining runs them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.fx import Node
+
+from autopar.cost_model import axis_is_inter_node, collective_time
+from autopar.passes.capture import Captured
+from autopar.passes.rules import is_float
+from autopar.placement import Shard, local_shape
+from autopar.planner import PlanError, _strategy_time, find_blocks, tensor_bytes, tp_collectives
+from autopar.stage_dp import cut_stages, evaluate_cut
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
+# Host-side cost of one op launch forward plus backward: what makes very small microbatches slow.
+OP_OVERHEAD = 15e-6
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str
+    modules: tuple[str, ...]
+    nodes: tuple[Node, ...]
+
+
+def layer_units(cap: Captured) -> list[Unit]:
+    """Embedding, each block, head: the pieces a stage cut may not split."""
+    blocks = find_blocks(cap)
+    if not blocks:
+        raise PlanError("pipeline parallelism cuts between repeated blocks (an nn.ModuleList of "
+                        "identical layers), and this model has none")
+    in_block = {n: i for i, b in enumerate(blocks) for n in b}
+    before, after, body = [], [], [[] for _ in blocks]
+    for n in cap.gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n in in_block:
+            body[in_block[n]].append(n)
+        else:
+            (after if any(body) else before).append(n)
+    units = []
+    for name, nodes in [("embedding", before)] + [(None, b) for b in body] + [("head", after)]:
+        mods = tuple(dict.fromkeys(n.meta.get("module_path") for n in nodes if n.meta.get("module_path")))
+        if name is None:
+            name = min(mods, key=len)
+        if nodes:
+            units.append(Unit(name, mods, tuple(nodes)))
+    return units
+
+
+def unit_costs(cap: Captured, strategies: dict, units: list[Unit], mesh, dev, *, zero: int,
+               gpus_per_node: int, microbatches: int):
+    """Per unit per microbatch: seconds (fwd+bwd), static bytes, activation bytes; and the
+    point-to-point seconds of a cut after each unit."""
+    tp = mesh.tp
+    tp_inter = axis_is_inter_node(tp, 1, gpus_per_node)
+    pp_inter = axis_is_inter_node(mesh.pp, tp, gpus_per_node)
+    unit_of = {n: k for k, u in enumerate(units) for n in u.nodes}
+    time = np.zeros(len(units))
+    for n, k in unit_of.items():
+        time[k] += _strategy_time(n, strategies[n], tp, dev, tp_inter) + OP_OVERHEAD
+    if tp > 1:
+        for _, kind, _, nbytes, consumer in tp_collectives(cap, strategies, tp):
+            if consumer in unit_of:
+                time[unit_of[consumer]] += collective_time(kind, nbytes, tp, dev, tp_inter)
+    static = np.zeros(len(units))
+    state = 2.0 + (2.0 / mesh.dp if zero else 2.0)     # param + grad + Adam's two moments
+    for fqn, node in cap.params.items():
+        pl = strategies[node].output
+        nbytes = float(np.prod(local_shape(tuple(node.meta["val"].shape), pl, tp))) * node.meta["val"].element_size()
+        for k in {unit_of[u] for u in node.users if u in unit_of}:
+            static[k] += nbytes * state
+    act = np.zeros(len(units))
+    for n, k in unit_of.items():
+        if is_float(n) and n.meta.get("val") is not None:
+            split = tp if isinstance(strategies[n].output, Shard) else 1
+            act[k] += tensor_bytes(n) / split
+    boundary = np.zeros(max(len(units) - 1, 0))
+    for k in range(len(units) - 1):
+        crossing = {a for j in range(k + 1, len(units)) for n in units[j].nodes for a in n.all_input_nodes
+                    if a in unit_of and unit_of[a] <= k and is_float(a)}
+        nbytes = sum(tensor_bytes(a) / (tp if isinstance(strategies[a].output, Shard) else 1) for a in crossing)
+        bw = dev.inter_node_bw if pp_inter else dev.intra_node_bw
+        boundary[k] = 2 * nbytes / bw     # activations forward, their gradients backward
+    return time, static, act, boundary
+
+
+def choose_cut(costs, units: list[Unit], mesh, *, schedule: str, microbatches: int, virtual: int,
+               memory_budget: float | None, stages=None):
+    """The stage cut: the cost model's, or a user's ``stages`` override validated unit by unit."""
+    time, static, act, boundary = costs
+    kw = dict(p=mesh.pp, m=microbatches, v=virtual, schedule=schedule)
+    if stages is None:
+        return cut_stages(time, static, act, boundary, memory_budget=memory_budget, **kw)
+    return evaluate_cut(_override_bounds(stages, units, mesh.pp * virtual), time, static, act, boundary, **kw)
+
+
+def _override_bounds(stages, units: list[Unit], n_stages: int):
+    if len(stages) != n_stages:
+        raise PlanError(f"stages= lists {len(stages)} stages but the mesh and schedule have {n_stages}")
+    owner: dict[str, int] = {}
+    for s, mods in enumerate(stages):
+        for m in mods:
+            if m in owner:
+                raise PlanError(f"stages=: module {m!r} is listed in stage {owner[m]} and stage {s}")
+            owner[m] = s
+    placed = []
+    for u in units:
+        where = {owner.get(m) for m in u.modules}
+        if None in where:
+            missing = [m for m in u.modules if m not in owner]
+            raise PlanError(f"stages=: {', '.join(missing)} (part of {u.name}) is in no stage; "
+                            f"list every module of {u.name} in one stage")
+        if len(where) > 1:
+            raise PlanError(f"stages=: {u.name} is split across stages {sorted(where)}; a layer stays whole")
+        placed.append(where.pop())
+    known = {m for u in units for m in u.modules}
+    unknown = sorted(set(owner) - known)
+    if unknown:
+        raise PlanError(f"stages=: the model has no module {', '.join(unknown)}")
+    if placed != sorted(placed) or sorted(set(placed)) != list(range(n_stages)):
+        raise PlanError("stages=: each stage must be a non-empty run of consecutive layers, in order")
+    return tuple((placed.index(s), len(placed) - placed[::-1].index(s)) for s in range(n_stages))
+
+
+# ---- run time ---------------------------------------------------------------------------------
+
+class StageModule(torch.nn.Module):
+    """One stage's graph with its (local) parameters registered, for a PipelineStage."""
+
+    def __init__(self, fn, param_fqns: list[str], params: dict[str, torch.nn.Parameter]):
+        super().__init__()
+        self.fn = fn
+        self.keys = [f.replace(".", "__") for f in param_fqns]
+        self.weights = torch.nn.ParameterDict({k: params[f] for k, f in zip(self.keys, param_fqns)})
+
+    def forward(self, *acts):
+        return self.fn(*[self.weights[k] for k in self.keys], *acts)
+
+
+def make_schedule(name: str, stages: list, microbatches: int, loss_fn):
+    """A torch.distributed.pipelining schedule by name."""
+    from torch.distributed.pipelining import schedules as S
+
+    cls = {"GPipe": S.ScheduleGPipe, "1F1B": S.Schedule1F1B, "Interleaved1F1B": S.ScheduleInterleaved1F1B,
+           "InterleavedZeroBubble": getattr(S, "ScheduleInterleavedZeroBubble", None)}[name]
+    if cls is None:
+        raise NotImplementedError(f"schedule {name!r} is not in this torch version")
+    if name in ("GPipe", "1F1B"):
+        return cls(stages[0], microbatches, loss_fn=loss_fn)
+    return cls(stages, microbatches, loss_fn=loss_fn)
+
+
+def stage_of_nodes(cap: Captured, plan) -> dict[str, int]:
+    """Global node name -> stage index, from the plan's stage module lists."""
+    units = layer_units(cap)
+    bounds = _override_bounds([s.modules for s in plan.stages], units, len(plan.stages))
+    return {n.name: s for s, (a, b) in enumerate(bounds) for u in units[a:b] for n in u.nodes}
+
+
+class Pipeline:
+    """This rank's stages, their schedule, and the cross-stage gradient sums."""
+
+    def __init__(self, pm, gm, cap: Captured, plan, dmesh, compile, materialize):
+        from torch.distributed.pipelining import PipelineStage
+
+        from autopar.mesh import group_name
+        from autopar.passes.pipeline_split import pipeline_split_pass
+
+        self.pm, self.plan = pm, plan
+        n = len(plan.stages)
+        pp, me = plan.mesh[1], pm.coords["pp"]
+        self.sg = pipeline_split_pass(gm, stage_of_nodes(cap, plan), n)
+        if len(self.sg.label_inputs) != 1:
+            raise NotImplementedError("pipeline parallelism needs exactly one label input (the targets); "
+                                      f"this model's loss uses {self.sg.label_inputs or 'none'}")
+        self.mine = [s for s in range(n) if s % pp == me]
+        self.last = (n - 1) % pp == me
+        holders: dict[str, set[int]] = {}
+        for s in range(n):
+            for f in self.sg.stage_params[s] + (self.sg.tail_params if s == n - 1 else []):
+                holders.setdefault(f, set()).add(s % pp)
+        self.shared = [p.fqn for p in plan.parameters if len(holders.get(p.fqn, ())) > 1]
+        self.owner = {f: min(r) for f, r in holders.items()}
+        needed = {f for f, r in holders.items() if me in r}
+        params = materialize(needed)
+        wrap = (lambda g: torch.compile(g, backend="inductor" if compile is True else compile)) if compile else (lambda g: g)
+        device = pm._device
+        self.pp_group = group_name(dmesh, "pp")
+        pg = dmesh.get_group("pp")
+        self.stages = [PipelineStage(StageModule(wrap(self.sg.stages[s]), self.sg.stage_params[s], params),
+                                     s, n, device, group=pg) for s in self.mine]
+        tail = wrap(self.sg.tail)
+        tail_w = [params[f] for f in self.sg.tail_params] if self.last else []
+
+        def loss_fn(out, target):
+            return tail(*tail_w, *(out if isinstance(out, tuple) else (out,)), target)
+
+        self.schedule = make_schedule(plan.schedule, self.stages, plan.microbatches, loss_fn)
+        self.params = params
+
+    def step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        from autopar import collectives as C
+
+        losses: list = []
+        first = [inputs[name] for name in self.sg.first_inputs]
+        self.schedule.step(*first, target=inputs[self.sg.label_inputs[0]], losses=losses)
+        loss = torch.stack([l.detach() for l in losses]).mean() if self.last else torch.zeros(())
+        for f in self.shared:   # a weight on several stages: its gradient is the sum over them
+            p = self.params.get(f)
+            g = p.grad if p is not None and p.grad is not None else torch.zeros(self.pm._local_shape(f))
+            total = C.all_reduce(g.to(self.pm._device), self.pp_group)
+            if p is not None:
+                p.grad = total
+        return C.all_reduce(loss.to(self.pm._device).float(), self.pp_group)

@@ -1,0 +1,608 @@
+"""Pipeline stage cuts: which consecutive layer units each pipeline stage runs (pure search; no torch).
+
+Inputs
+------
+n ordered units u = 0..n-1 (embedding, each transformer block, final norm + head + loss), each
+with, per microbatch,
+    t[u]   seconds of forward + backward,
+    w[u]   static bytes that do not depend on the microbatches in flight (parameters, gradients,
+           optimizer state),
+    a[u]   activation bytes one microbatch keeps alive until its backward,
+and c[u] (u = 0..n-2), the seconds of point-to-point traffic (activations forward, their gradients
+backward) if a cut is placed after unit u; it is charged to the stage that starts at u + 1.
+
+p pipeline ranks, v virtual stages (model chunks) per rank, S = p * v stages; stage s lives on
+rank r(s) = s mod p and is that rank's chunk j(s) = s // p. m microbatches per step.
+
+A cut is a list of S contiguous, non-empty, in-order unit ranges [b_s, e_s) with b_0 = 0,
+e_{S-1} = n, b_{s+1} = e_s. It needs n >= S.
+
+Stage time
+----------
+    T_s = sum_{u in [b_s, e_s)} t[u]  +  (c[b_s - 1] if s > 0 else 0)
+    R_r = sum_{s : r(s) = r} T_s                    (a rank's work per microbatch)
+
+Predicted step time
+-------------------
+v = 1 (GPipe, 1F1B; the GPipe / Megatron-LM formula; for these two schedules only the order of
+forwards and backwards differs, not the makespan):
+
+    step = sum_s T_s + (m - 1) * max_s T_s
+
+  The first microbatch crosses every stage once; the other m - 1 are paced by the slowest stage.
+  With S equal stages of time T this is (m + p - 1) T = m T (1 + (p - 1)/m): bubble (p - 1)/m.
+
+v > 1 (Interleaved1F1B, InterleavedZeroBubble; Narayanan et al. 2021):
+
+    step = m * max_r R_r + (p - 1) * max_s T_s
+
+  The busiest rank does m microbatches of all its chunks, plus a fill/drain bubble of p - 1
+  virtual-stage slots, each priced at the slowest stage. With equal stages (R = v T) this is
+  m v T (1 + (p - 1)/(v m)): bubble (p - 1)/(v m). The zero-bubble schedule's smaller bubble is
+  NOT modelled: its prediction is the interleaved 1F1B one, an upper bound.
+
+``bubble_fraction(p, m, v) = (p - 1) / (v m)`` is the equal-stage idle fraction, relative to the
+ideal m * max_r R_r.
+
+Microbatches in flight (activation memory)
+------------------------------------------
+f(s) = how many microbatches' activations stage s holds at its rank's peak:
+
+    GPipe:           f(s) = m                     (all forwards before any backward)
+    1F1B:            f(s) = min(m, p - s)         (warmup p - s - 1 forwards, then one more)
+    interleaved, v = 1:  the same as 1F1B.
+    interleaved, v > 1 (approximation): rank r runs
+            N_r = min(m v, (v - 1) p + 2 (p - 1 - r) + 1)
+        forwards before its first backward -- the warmup count of Megatron-LM's and
+        torch.distributed.pipelining's Interleaved1F1B, (v - 1) p + 2 (p - 1 - r), plus the first
+        steady-state forward; rank 0 holds p v + p - 1 microbatch-chunks, i.e. the
+        (1 + (p - 1)/(p v)) factor of Korthikanti et al. 2022 over 1F1B. Forward k on a rank runs
+        chunk (k // p) mod v (groups of p microbatches per chunk), so with q, rho = divmod(N_r, p v)
+            f(s) = min(m, q p + clamp(rho - j(s) p, 0, p)).
+        The steady state keeps the rank total N_r (one forward in, one backward out) but may move
+        it between chunks; this counts the end-of-warmup distribution. InterleavedZeroBubble
+        (ZB-H1-like) uses the same counts.
+
+    mem_r = sum_{s : r(s) = r} ( sum_{u in s} w[u]  +  f(s) * sum_{u in s} a[u] )
+
+Every rank must satisfy mem_r <= M (the per-rank memory budget, bytes; None = unlimited), checked
+with a relative slack of 1e-9 so prefix-sum rounding never flips a decision.
+
+Search
+------
+Minimise step subject to mem_r <= M for all r.
+
+v = 1 (exact, a bottleneck sweep over a DP). Every rank is one stage, so the memory constraint is
+per stage: allowed(s, b, e) = [w(b, e) + f(s) a(b, e) <= M]. For a bound B on the slowest stage let
+    g(B) = min sum_s T_s  over cuts with every stage allowed and T_s <= B
+computed by the DP
+    D_0(e) = T(0, e);   D_s(e) = min_b D_{s-1}(b) + T(b, e)   (allowed, T(b, e) <= B);   g = D_{S-1}(n),
+O(n^2) per stage, vectorised with numpy. The optimum cut C* with slowest stage B* is among the cuts
+the DP sees at B = B*, so
+    min_step = min over candidate B of g(B) + (m - 1) B,
+where the candidates are the distinct segment times T(b, e) (O(n^2) values). The smallest feasible B
+is found by binary search (feasibility is monotone in B); the sweep then runs upward and stops at
+the first B with g(inf) + (m - 1) B >= best, since g(B) >= g(inf) for every B. sum_s T_s only varies
+through the boundary costs c, so with c = 0 the sweep stops after one candidate. Every candidate
+cut is re-priced with the exact step formula, and the best is kept.
+
+v > 1 (exact branch and bound). A rank's memory and work now add up over its v chunks, which are
+p stages apart in the unit order, so neither is decomposable per stage and no polynomial DP applies
+(its state would need all p running sums). Depth-first search places stages in order; a partial cut
+(stages 0..s-1 ending at unit b, running sums R_r and mem_r) is pruned if mem_r > M for some rank, if
+the remaining static + minimal activation bytes cannot fit in the ranks' remaining headroom, or if
+the lower bound
+    m * max(max_r R_r, L) + (p - 1) * max(max T so far, TB(b, S - s))
+is >= the best step found, where TB(b, k) is the smallest possible slowest stage when [b, n) is cut
+into k stages (a DP), and L is the water level at which the remaining work (at least the minimum
+sum of stage times of [b, n) in S - s stages, also a DP) fills the ranks that still get stages.
+Children are visited in increasing bound order; the incumbent starts from the v = 1-style sweep's
+balanced cut; states reached twice are skipped. The search is exact when it completes; it gives up
+after NODE_LIMIT expanded states and then returns the best cut found with a RuntimeWarning (for
+realistic layer counts -- a few tens of units, S <= 16 -- it completes).
+
+Infeasible budget: the smallest achievable per-rank peak, min over cuts of max_r mem_r, is computed
+(a min-max DP for v = 1, the same branch and bound with max_r mem_r as objective for v > 1) and
+reported in the ValueError.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["SCHEDULES", "StageCut", "cut_stages", "evaluate_cut", "bubble_fraction",
+           "inflight_microbatches", "min_peak_memory", "NODE_LIMIT"]
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
+_INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble")
+_MEM_RTOL = 1e-9
+NODE_LIMIT = 50_000
+_GIB = float(2 ** 30)
+
+
+@dataclass(frozen=True)
+class StageCut:
+    bounds: tuple[tuple[int, int], ...]   # [start, end) unit index per stage, stages in order
+    stage_times: tuple[float, ...]        # T_s, seconds per microbatch (fwd+bwd, incoming p2p)
+    rank_memory: tuple[float, ...]        # mem_r, bytes per pipeline rank
+    step_time: float                      # predicted seconds per step (all m microbatches)
+
+
+# --------------------------------------------------------------------------- small helpers
+
+def bubble_fraction(p: int, m: int, v: int = 1) -> float:
+    """(p - 1) / (v m): the idle fraction of equal stages (GPipe/1F1B for v = 1, interleaved)."""
+    p, m, v = _posint(p, "p"), _posint(m, "m"), _posint(v, "v")
+    return (p - 1) / (v * m)
+
+
+def inflight_microbatches(p: int, m: int, v: int = 1, schedule: str = "1F1B") -> tuple[int, ...]:
+    """f(s) for s = 0..p*v-1: microbatches whose activations stage s holds at its rank's peak."""
+    p, m, v = _posint(p, "p"), _posint(m, "m"), _posint(v, "v")
+    _check_schedule(schedule, v)
+    S = p * v
+    if schedule == "GPipe":
+        return (m,) * S
+    if v == 1:                                  # 1F1B, or an interleaved schedule with one chunk
+        return tuple(min(m, p - s) for s in range(S))
+    out = []
+    for s in range(S):
+        r, j = s % p, s // p
+        n_r = min(m * v, (v - 1) * p + 2 * (p - 1 - r) + 1)
+        q, rho = divmod(n_r, p * v)
+        out.append(min(m, q * p + min(max(rho - j * p, 0), p)))
+    return tuple(out)
+
+
+def _posint(x, name):
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1:
+        raise ValueError(f"{name} must be a positive integer, got {x!r}")
+    return int(x)
+
+
+def _check_schedule(schedule, v):
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if v > 1 and schedule not in _INTERLEAVED:
+        raise ValueError(f"schedule {schedule} runs one stage per rank, but v={v} virtual stages per "
+                         f"rank were asked for; use v=1, or Interleaved1F1B / InterleavedZeroBubble")
+
+
+def _fits(mem: float, budget) -> bool:
+    return budget is None or mem <= budget * (1.0 + _MEM_RTOL)
+
+
+def _gib(x: float) -> str:
+    return f"{x / _GIB:.4g} GiB"
+
+
+def _arrays(time, static_mem, act_mem, boundary):
+    def arr(x, name, length):
+        a = np.asarray(x, dtype=float).reshape(-1)
+        if a.size != length:
+            raise ValueError(f"{name} has {a.size} entries, expected {length}")
+        if not np.all(np.isfinite(a)) or (a < 0).any():
+            raise ValueError(f"{name} must be finite and >= 0")
+        return a
+    t = np.asarray(time, dtype=float).reshape(-1)
+    n = t.size
+    if n == 0:
+        raise ValueError("there are no units to cut into pipeline stages")
+    t = arr(t, "time", n)
+    w = arr(static_mem, "static_mem", n)
+    a = arr(act_mem, "act_mem", n)
+    c = np.zeros(n - 1) if boundary is None else arr(boundary, "boundary (one entry per gap between "
+                                                                "units, n - 1)", n - 1)
+    return t, w, a, c
+
+
+def _setup(time, static_mem, act_mem, boundary, p, m, v, schedule):
+    p, m, v = _posint(p, "p"), _posint(m, "m"), _posint(v, "v")
+    _check_schedule(schedule, v)
+    t, w, a, c = _arrays(time, static_mem, act_mem, boundary)
+    n, S = t.size, p * v
+    if n < S:
+        raise ValueError(
+            f"pp*v = {p}*{v} = {S} pipeline stages need at least {S} units to cut, but the model has "
+            f"only {n} units (embedding, {max(n - 2, 0)} blocks, head); use at most {n} stages "
+            f"(a smaller pp or v) or a deeper model")
+    return t, w, a, c, p, m, v, S
+
+
+def _step(stage_times, p, m, v) -> float:
+    if v == 1:
+        return math.fsum(stage_times) + (m - 1) * max(stage_times)
+    ranks = [math.fsum(stage_times[r::p]) for r in range(p)]
+    return m * max(ranks) + (p - 1) * max(stage_times)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+def evaluate_cut(bounds, time, static_mem, act_mem, boundary, *, p, m, v=1,
+                 schedule="1F1B") -> StageCut:
+    """Stage times, per-rank memory and predicted step time of a given cut (see module doc)."""
+    t, w, a, c, p, m, v, S = _setup(time, static_mem, act_mem, boundary, p, m, v, schedule)
+    n = t.size
+    bounds = tuple((int(b), int(e)) for b, e in bounds)
+    if len(bounds) != S:
+        raise ValueError(f"the cut has {len(bounds)} stages; p*v = {p}*{v} = {S} are needed")
+    prev = 0
+    for s, (b, e) in enumerate(bounds):
+        if b != prev or e <= b:
+            raise ValueError(f"stage {s} = [{b}, {e}) breaks the cut: stages must be non-empty, "
+                             f"consecutive unit ranges starting at unit 0 (expected start {prev})")
+        prev = e
+    if prev != n:
+        raise ValueError(f"the cut ends at unit {prev}, but the model has {n} units")
+    f = inflight_microbatches(p, m, v, schedule)
+    times, mem = [], [0.0] * p
+    for s, (b, e) in enumerate(bounds):
+        times.append(math.fsum(t[b:e]) + (float(c[b - 1]) if s > 0 else 0.0))
+        mem[s % p] += math.fsum(w[b:e]) + f[s] * math.fsum(a[b:e])
+    return StageCut(bounds, tuple(times), tuple(mem), _step(times, p, m, v))
+
+
+# --------------------------------------------------------------------------- v = 1: sweep + DP
+
+class _Prefix:
+    def __init__(self, t, w, a, c):
+        n = t.size
+        self.n = n
+        self.P = np.concatenate([[0.0], np.cumsum(t)])
+        self.W = np.concatenate([[0.0], np.cumsum(w)])
+        self.A = np.concatenate([[0.0], np.cumsum(a)])
+        self.cb = np.concatenate([[0.0], c, [0.0]])          # boundary charged to a stage starting at b
+        idx = np.arange(n + 1)
+        self.valid = idx[None, :] > idx[:, None]              # [b, e) with e > b
+        self.seg_t = np.where(self.valid, self.P[None, :] - self.P[:, None] + self.cb[:, None], np.inf)
+        self.seg_w = self.W[None, :] - self.W[:, None]
+        self.seg_a = self.A[None, :] - self.A[:, None]
+
+
+def _stage_masks(pre, f, budget):
+    """Per stage s: segment times where the segment is allowed as stage s (memory), else inf."""
+    out = np.empty((len(f),) + pre.seg_t.shape)
+    for s, fs in enumerate(f):
+        ok = pre.valid.copy()
+        if budget is not None:
+            ok &= pre.seg_w + fs * pre.seg_a <= budget * (1.0 + _MEM_RTOL)
+        out[s] = np.where(ok, pre.seg_t, np.inf)
+    return out
+
+
+def _dp_min_sum(base, n, B):
+    """min sum_s T_s with every stage allowed and T_s <= B; returns (value, bounds) or (inf, None)."""
+    S = base.shape[0]
+    cost = base if B == np.inf else np.where(base <= B, base, np.inf)
+    cur = cost[0, 0].copy()
+    cols = np.arange(n + 1)
+    args = []
+    for s in range(1, S):
+        tot = cur[:, None] + cost[s]
+        arg = tot.argmin(axis=0)
+        cur = tot[arg, cols]
+        args.append(arg)
+    val = cur[n]
+    if not np.isfinite(val):
+        return np.inf, None
+    bounds, e = [], n
+    for s in range(S - 1, 0, -1):
+        b = int(args[s - 1][e])
+        bounds.append((b, e))
+        e = b
+    bounds.append((0, e))
+    return float(val), tuple(reversed(bounds))
+
+
+def _search_v1(pre, f, budget, p, m):
+    n = pre.n
+    base = _stage_masks(pre, f, budget)
+    g_inf, cut_inf = _dp_min_sum(base, n, np.inf)
+    if cut_inf is None:
+        return None
+    T = pre.seg_t
+
+    def price(bounds):
+        times = [float(T[b, e]) for b, e in bounds]
+        return sum(times) + (m - 1) * max(times)
+
+    best_cut, best = cut_inf, price(cut_inf)
+    if m == 1:
+        return best_cut
+    cand = np.unique(base[np.isfinite(base)])
+    lo, hi = 0, cand.size - 1                     # smallest feasible candidate (hi is feasible)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _dp_min_sum(base, n, cand[mid])[1] is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    for B in cand[lo:]:
+        if g_inf + (m - 1) * B >= best:
+            break
+        val, bounds = _dp_min_sum(base, n, B)
+        if bounds is not None:
+            fb = price(bounds)
+            if fb < best:
+                best, best_cut = fb, bounds
+    return best_cut
+
+
+def _min_peak_v1(pre, f):
+    """min over cuts of max_s mem_s (v = 1): a min-max DP. Returns (peak, bounds)."""
+    n, S = pre.n, len(f)
+    mem = np.where(pre.valid[None], pre.seg_w[None] + np.asarray(f, float)[:, None, None] * pre.seg_a[None],
+                   np.inf)
+    cur = mem[0, 0].copy()
+    cols = np.arange(n + 1)
+    args = []
+    for s in range(1, S):
+        tot = np.maximum(cur[:, None], mem[s])
+        arg = tot.argmin(axis=0)
+        cur = tot[arg, cols]
+        args.append(arg)
+    bounds, e = [], n
+    for s in range(S - 1, 0, -1):
+        b = int(args[s - 1][e])
+        bounds.append((b, e))
+        e = b
+    bounds.append((0, e))
+    return float(cur[n]), tuple(reversed(bounds))
+
+
+# --------------------------------------------------------------------------- v > 1: branch and bound
+
+def _water_level(vals, work):
+    """Smallest L with sum_i max(0, L - vals_i) >= work (vals non-empty, work >= 0)."""
+    vs = sorted(vals)
+    acc = 0.0
+    for i, x in enumerate(vs):
+        acc += x
+        L = (acc + work) / (i + 1)
+        if i + 1 == len(vs) or L <= vs[i + 1]:
+            return L
+    return vs[-1]
+
+
+def _suffix_tables(seg, n, S, combine):
+    """tab[b][k]: best value over cuts of units [b, n) into k stages; combine(seg, rest)."""
+    inf = math.inf
+    tab = [[inf] * (S + 1) for _ in range(n + 1)]
+    tab[n][0] = 0.0
+    for k in range(1, S + 1):
+        for b in range(n - k, -1, -1):
+            best = inf
+            for e in range(b + 1, n - k + 2):
+                r = tab[e][k - 1]
+                if r < inf:
+                    x = combine(seg(b, e), r)
+                    if x < best:
+                        best = x
+            tab[b][k] = best
+    return tab
+
+
+class _BB:
+    """Depth-first branch and bound over cuts for v > 1 (see module doc)."""
+
+    def __init__(self, t, w, a, c, p, m, v, f, budget, mode):
+        self.n, self.p, self.m, self.v, self.S = t.size, p, m, v, p * v
+        n, S = self.n, self.S
+        self.P = [0.0] + np.cumsum(t).tolist()
+        self.W = [0.0] + np.cumsum(w).tolist()
+        self.A = [0.0] + np.cumsum(a).tolist()
+        self.cb = [0.0] + [float(x) for x in c] + [0.0]
+        self.f = list(f)
+        # G[s][e] = W[e] + f(s) A[e]: mem(s, b, e) = G[s][e] - G[s][b], non-decreasing in e
+        self.G = [(np.asarray(self.W) + fs * np.asarray(self.A)).tolist() for fs in self.f]
+        self.budget = None if budget is None else budget * (1.0 + _MEM_RTOL)
+        self.mode = mode                       # "time": min step s.t. memory; "memory": min max mem_r
+        self.min_f = [min(self.f[s:]) for s in range(S)] + [0]
+        # ranks that still receive a stage when stages s..S-1 remain
+        self.open = [sorted({q % p for q in range(s, S)}) for s in range(S + 1)]
+        self.last = [n - (S - 1 - s) for s in range(S)]
+        if mode == "time":
+            self.tb = _suffix_tables(self.seg_t, n, S, max)
+            self.ms = _suffix_tables(self.seg_t, n, S, lambda x, y: x + y)
+        # slack for the relaxations (prefix-sum rounding) and quanta for recognising repeated states
+        self.t_eps = 1e-12 * max(self.P[n] + sum(self.cb), 1e-300)
+        self.m_eps = 1e-12 * max(self.W[n] + max(self.f) * self.A[n], 1e-300)
+        self.best = math.inf
+        self.best_cut = None
+        self.nodes = 0
+        self.seen = set()
+        self.complete = True
+        self.open_lb = math.inf               # smallest bound left unexplored when the search stops
+
+    def seg_t(self, b, e):
+        return self.P[e] - self.P[b] + self.cb[b]
+
+    def offer(self, bounds):
+        """Price a complete cut and keep it if better."""
+        R = [0.0] * self.p
+        M = [0.0] * self.p
+        mt = 0.0
+        for s, (b, e) in enumerate(bounds):
+            x = self.seg_t(b, e)
+            R[s % self.p] += x
+            M[s % self.p] += self.G[s][e] - self.G[s][b]
+            mt = max(mt, x)
+        if self.budget is not None and max(M) > self.budget and self.mode == "time":
+            return
+        val = self.m * max(R) + (self.p - 1) * mt if self.mode == "time" else max(M)
+        if val < self.best:
+            self.best, self.best_cut = val, tuple(bounds)
+
+    def reachable(self, s, e, capt, capm):
+        """Relaxation: can stages s..S-1 cover [e, n) if stage q may use up to capt[r(q)] seconds
+        (boundary costs left out) and capm[r(q)] bytes each (a rank's stages not sharing)? Greedy
+        furthest reach is exact for this relaxation, so False proves the node infeasible."""
+        p, n, b = self.p, self.n, e
+        for q in range(s, self.S):
+            r = q % p
+            hi = self.last[q]
+            if capt is not None:
+                hi = min(hi, bisect_right(self.P, self.P[b] + capt[r] + self.t_eps, b, hi + 1) - 1)
+            if capm is not None:
+                G = self.G[q]
+                hi = min(hi, bisect_right(G, G[b] + capm[r] + self.m_eps, b, hi + 1) - 1)
+            if hi <= b:
+                return False
+            b = hi
+        return b == n
+
+    def bound(self, s, e, R, M, mt):
+        """Lower bound after stages 0..s-1 (the last ends at unit e); inf if ruled out."""
+        n, p, k = self.n, self.p, self.S - s
+        if k == 0:
+            return self.m * max(R) + (p - 1) * mt if self.mode == "time" else max(M)
+        openr = self.open[s]
+        rem_mem = (self.W[n] - self.W[e]) + self.min_f[s] * (self.A[n] - self.A[e])
+        if self.mode == "memory":
+            lb = max(max(M), _water_level([M[r] for r in openr], rem_mem))
+            if lb >= self.best:
+                return lb
+            if self.best < math.inf and not self.reachable(s, e, None, [self.best - x for x in M]):
+                return math.inf
+            return lb
+        capm = None
+        if self.budget is not None:
+            if rem_mem > sum(self.budget - M[r] for r in openr):
+                return math.inf
+            capm = [self.budget - x for x in M]
+        lr = max(max(R), _water_level([R[r] for r in openr], self.ms[e][k]))
+        bt = max(mt, self.tb[e][k])
+        lb = self.m * lr + (p - 1) * bt
+        if lb >= self.best:
+            return lb
+        capt = None
+        if self.best < math.inf:
+            c_max = (self.best - (p - 1) * bt) / self.m
+            b_max = (self.best - self.m * lr) / (p - 1) if p > 1 else math.inf
+            capt = [min(c_max - x, b_max) for x in R]
+        if (capt is not None or capm is not None) and not self.reachable(s, e, capt, capm):
+            return math.inf
+        return lb
+
+    def key(self, s, b, R, M, mt):
+        qt, qm = self.t_eps, self.m_eps
+        km = tuple(round(x / qm) for x in M) if (self.budget is not None or self.mode == "memory") else ()
+        return (s, b, tuple(round(x / qt) for x in R), km, round(mt / qt))
+
+    def dfs(self, s, b, R, M, mt):
+        if s == self.S:
+            self.offer(self.path)
+            return
+        self.nodes += 1
+        if self.nodes > NODE_LIMIT:
+            self.complete = False
+            return
+        key = self.key(s, b, R, M, mt)
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        r = s % self.p
+        G = self.G[s]
+        first = self.n if s == self.S - 1 else b + 1           # the last stage ends at unit n
+        kids = []
+        for e in range(first, self.last[s] + 1):
+            x = self.seg_t(b, e)
+            mm = M[r] + (G[e] - G[b])
+            if self.budget is not None and mm > self.budget:
+                break                                          # memory grows with e
+            R2 = R.copy(); R2[r] += x
+            M2 = M.copy(); M2[r] = mm
+            mt2 = mt if mt >= x else x
+            lb = self.bound(s + 1, e, R2, M2, mt2)
+            if lb < self.best:
+                kids.append((lb, e, R2, M2, mt2))
+        kids.sort(key=lambda k: (k[0], k[1]))
+        for lb, e, R2, M2, mt2 in kids:
+            if lb >= self.best:
+                break
+            self.path.append((b, e))
+            self.dfs(s + 1, e, R2, M2, mt2)
+            self.path.pop()
+            if not self.complete:        # this kid's subtree and the later kids are left unexplored
+                self.open_lb = min(self.open_lb, lb)
+                break
+
+    def run(self, seeds=()):
+        for cut in seeds:
+            if cut is not None:
+                self.offer(cut)
+        zero = [0.0] * self.p
+        root = self.bound(0, 0, zero, zero, 0.0)
+        if root < self.best:
+            self.path = []
+            self.dfs(0, 0, list(zero), list(zero), 0.0)
+        return self.best_cut
+
+    def gap(self):
+        """Proven relative gap of the best cut (0 when the search completed)."""
+        if self.complete:
+            return 0.0
+        if self.best == math.inf:
+            return math.inf
+        return max(0.0, (self.best - self.open_lb) / self.best)
+
+
+def _seeds_v(pre, p, m, v):
+    """Balanced cuts to start the branch and bound with: the v = 1-style sweep without memory."""
+    S = p * v
+    base = _stage_masks(pre, [1] * S, None)
+    out = [_search_v1(pre, [1] * S, None, S, m)]
+    out.append(_dp_min_sum(base, pre.n, np.inf)[1])
+    return out
+
+
+# --------------------------------------------------------------------------- public search
+
+def min_peak_memory(time, static_mem, act_mem, boundary, *, p, m, v=1, schedule="1F1B"):
+    """(min over cuts of max_r mem_r, a cut reaching it): what the memory budget must allow."""
+    t, w, a, c, p, m, v, S = _setup(time, static_mem, act_mem, boundary, p, m, v, schedule)
+    f = inflight_microbatches(p, m, v, schedule)
+    if v == 1:
+        return _min_peak_v1(_Prefix(t, w, a, c), f)
+    bb = _BB(t, w, a, c, p, m, v, f, None, "memory")
+    seed = _min_peak_v1(_Prefix(t, w, a, c), f)[1]
+    cut = bb.run([seed])
+    if not bb.complete:
+        warnings.warn(f"stage search stopped after {NODE_LIMIT} states; the minimum memory reported "
+                      f"may be above the true minimum", RuntimeWarning, stacklevel=2)
+    return bb.best, cut
+
+
+def cut_stages(time, static_mem, act_mem, boundary, *, p, m, v=1, schedule="1F1B",
+               memory_budget=None) -> StageCut:
+    """The cut with the smallest predicted step time whose every rank fits memory_budget (bytes)."""
+    t, w, a, c, p, m, v, S = _setup(time, static_mem, act_mem, boundary, p, m, v, schedule)
+    if memory_budget is not None:
+        memory_budget = float(memory_budget)
+        if not memory_budget >= 0:
+            raise ValueError(f"memory_budget must be a number of bytes >= 0 or None, got {memory_budget!r}")
+    f = inflight_microbatches(p, m, v, schedule)
+    pre = _Prefix(t, w, a, c)
+    if v == 1:
+        bounds = _search_v1(pre, f, memory_budget, p, m)
+    else:
+        bb = _BB(t, w, a, c, p, m, v, f, memory_budget, "time")
+        bounds = bb.run(_seeds_v(pre, p, m, v))
+        if not bb.complete:
+            warnings.warn(f"stage search (p={p}, v={v}, {t.size} units) stopped after {NODE_LIMIT} "
+                          f"states; returning the best cut found, which may not be optimal",
+                          RuntimeWarning, stacklevel=2)
+    if bounds is None:
+        need, _ = min_peak_memory(t, w, a, c, p=p, m=m, v=v, schedule=schedule)
+        raise ValueError(
+            f"the pipeline needs at least {_gib(need)} ({need:.6g} bytes) per rank under {schedule} "
+            f"(pp={p}, v={v}, {m} microbatches), but the memory budget is {_gib(memory_budget)} "
+            f"({memory_budget:.6g} bytes); use more pipeline stages, tensor parallelism or recompute")
+    cut = evaluate_cut(bounds, t, w, a, c, p=p, m=m, v=v, schedule=schedule)
+    assert all(_fits(x, memory_budget) for x in cut.rank_memory)
+    return cut
