@@ -50,7 +50,8 @@ def layer_units(cap: Captured) -> list[Unit]:
             (after if any(body) else before).append(n)
     units = []
     for name, nodes in [("embedding", before)] + [(None, b) for b in body] + [("head", after)]:
-        mods = tuple(dict.fromkeys(n.meta.get("module_path") for n in nodes if n.meta.get("module_path")))
+        paths = dict.fromkeys(n.meta.get("module_path") for n in nodes if n.meta.get("module_path"))
+        mods = tuple(p for p in paths if not any(p.startswith(q + ".") for q in paths))   # outermost only
         if name is None:
             name = min(mods, key=len)
         if nodes:
@@ -114,18 +115,26 @@ def _override_bounds(stages, units: list[Unit], n_stages: int):
             if m in owner:
                 raise PlanError(f"stages=: module {m!r} is listed in stage {owner[m]} and stage {s}")
             owner[m] = s
+    def listed(module: str):
+        """The stage of ``module`` or of the listed module that contains it."""
+        for m, s in owner.items():
+            if module == m or module.startswith(m + "."):
+                return s
+        return None
+
     placed = []
     for u in units:
-        where = {owner.get(m) for m in u.modules}
+        where = {listed(m) for m in u.modules}
         if None in where:
-            missing = [m for m in u.modules if m not in owner]
+            missing = [m for m in u.modules if listed(m) is None]
             raise PlanError(f"stages=: {', '.join(missing)} (part of {u.name}) is in no stage; "
                             f"list every module of {u.name} in one stage")
         if len(where) > 1:
             raise PlanError(f"stages=: {u.name} is split across stages {sorted(where)}; a layer stays whole")
         placed.append(where.pop())
-    known = {m for u in units for m in u.modules}
-    unknown = sorted(set(owner) - known)
+    known = [m for u in units for m in u.modules]
+    unknown = sorted(m for m in owner if not any(k == m or k.startswith(m + ".") or m.startswith(k + ".")
+                                                 for k in known))
     if unknown:
         raise PlanError(f"stages=: the model has no module {', '.join(unknown)}")
     if placed != sorted(placed) or sorted(set(placed)) != list(range(n_stages)):

@@ -402,10 +402,17 @@ class _BB:
         self.G = [(np.asarray(self.W) + fs * np.asarray(self.A)).tolist() for fs in self.f]
         self.budget = None if budget is None else budget * (1.0 + _MEM_RTOL)
         self.mode = mode                       # "time": min step s.t. memory; "memory": min max mem_r
-        self.min_f = [min(self.f[s:]) for s in range(S)] + [0]
         # ranks that still receive a stage when stages s..S-1 remain
         self.open = [sorted({q % p for q in range(s, S)}) for s in range(S + 1)]
         self.last = [n - (S - 1 - s) for s in range(S)]
+        # mm[s][e]: least total memory stages s..S-1 can have when they cover units [e, n)
+        inf = math.inf
+        self.mm = [[inf] * (n + 1) for _ in range(S + 1)]
+        self.mm[S][n] = 0.0
+        for q in range(S - 1, -1, -1):
+            G, nxt, row = self.G[q], self.mm[q + 1], self.mm[q]
+            for b in range(q, self.last[q]):
+                row[b] = min((G[e] - G[b] + nxt[e] for e in range(b + 1, self.last[q] + 1)), default=inf)
         if mode == "time":
             self.tb = _suffix_tables(self.seg_t, n, S, max)
             self.ms = _suffix_tables(self.seg_t, n, S, lambda x, y: x + y)
@@ -462,7 +469,7 @@ class _BB:
         if k == 0:
             return self.m * max(R) + (p - 1) * mt if self.mode == "time" else max(M)
         openr = self.open[s]
-        rem_mem = (self.W[n] - self.W[e]) + self.min_f[s] * (self.A[n] - self.A[e])
+        rem_mem = self.mm[s][e]
         if self.mode == "memory":
             lb = max(max(M), _water_level([M[r] for r in openr], rem_mem))
             if lb >= self.best:
@@ -532,10 +539,62 @@ class _BB:
                 self.open_lb = min(self.open_lb, lb)
                 break
 
+    def score(self, cuts):
+        """Local-search score of the cut given by its S - 1 cut positions (smaller is better):
+        over budget first by memory, then the objective, then the sorted loads (to leave plateaus)."""
+        p, n = self.p, self.n
+        R = [0.0] * p
+        M = [0.0] * p
+        T = []
+        b = 0
+        for s, e in enumerate(list(cuts) + [n]):
+            x = self.seg_t(b, e)
+            R[s % p] += x
+            M[s % p] += self.G[s][e] - self.G[s][b]
+            T.append(x)
+            b = e
+        Ms = sorted(M, reverse=True)
+        if self.mode == "memory":
+            return (0, Ms[0], Ms)
+        if self.budget is not None and Ms[0] > self.budget:
+            return (1, Ms[0], Ms)
+        Rs = sorted(R, reverse=True)
+        return (0, self.m * Rs[0] + (p - 1) * max(T), Rs, sorted(T, reverse=True))
+
+    def improve(self, bounds):
+        """Hill climbing: shift a run of consecutive cut positions i..j together by 1 or 2 units
+        (a unit moves from stage i to stage j + 1, or back) while the score improves."""
+        cuts = [e for _, e in bounds[:-1]]
+        k = len(cuts)
+        cur = self.score(cuts)
+        for _ in range(20 * self.n):
+            moved = False
+            for i in range(k):
+                lo = cuts[i - 1] if i else 0
+                for j in range(i, k):
+                    hi = cuts[j + 1] if j + 1 < k else self.n
+                    for d in (-1, 1, -2, 2):
+                        if not (lo < cuts[i] + d and cuts[j] + d < hi):
+                            continue
+                        trial = cuts[:i] + [x + d for x in cuts[i:j + 1]] + cuts[j + 1:]
+                        sc = self.score(trial)
+                        if sc < cur:
+                            cur, cuts, moved = sc, trial, True
+                            break
+                    if moved:
+                        break
+                if moved:
+                    break
+            if not moved:
+                break
+        edges = [0] + cuts + [self.n]
+        return tuple(zip(edges[:-1], edges[1:]))
+
     def run(self, seeds=()):
         for cut in seeds:
             if cut is not None:
                 self.offer(cut)
+                self.offer(self.improve(cut))
         zero = [0.0] * self.p
         root = self.bound(0, 0, zero, zero, 0.0)
         if root < self.best:
@@ -552,13 +611,13 @@ class _BB:
         return max(0.0, (self.best - self.open_lb) / self.best)
 
 
-def _seeds_v(pre, p, m, v):
-    """Balanced cuts to start the branch and bound with: the v = 1-style sweep without memory."""
+def _seeds_v(pre, p, m, v, f):
+    """Cuts to start the branch and bound from (each is also hill-climbed): the v = 1-style sweep
+    and the min-sum DP without memory (balanced stage times), and the per-stage min-max memory DP."""
     S = p * v
     base = _stage_masks(pre, [1] * S, None)
-    out = [_search_v1(pre, [1] * S, None, S, m)]
-    out.append(_dp_min_sum(base, pre.n, np.inf)[1])
-    return out
+    return [_search_v1(pre, [1] * S, None, S, m), _dp_min_sum(base, pre.n, np.inf)[1],
+            _min_peak_v1(pre, f)[1]]
 
 
 # --------------------------------------------------------------------------- public search
@@ -592,7 +651,7 @@ def cut_stages(time, static_mem, act_mem, boundary, *, p, m, v=1, schedule="1F1B
         bounds = _search_v1(pre, f, memory_budget, p, m)
     else:
         bb = _BB(t, w, a, c, p, m, v, f, memory_budget, "time")
-        bounds = bb.run(_seeds_v(pre, p, m, v))
+        bounds = bb.run(_seeds_v(pre, p, m, v, f))
         if not bb.complete:
             warnings.warn(f"stage search (p={p}, v={v}, {t.size} units) stopped after {NODE_LIMIT} "
                           f"states; returning the best cut found, which may not be optimal",

@@ -111,7 +111,7 @@ def test_stage_override_and_its_errors():
 
 
 def test_pipeline_bad_input():
-    with pytest.raises(ValueError, match=r"need at least 6 layers.*has 4"):
+    with pytest.raises(ValueError, match=r"6 pipeline stages need at least 6 units.*only 4 units \(embedding, 2 blocks, head\)"):
         _plan(TINY, (1, 6, 1), batch=12)
     with pytest.raises(ValueError, match=r"microbatches=1 is fewer than the 2 pipeline stages"):
         _plan(TINY, (1, 2, 1), microbatches=1)
