@@ -1,6 +1,7 @@
 """autopar.plan and autopar.parallelize: the two entry points."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -83,11 +84,18 @@ def _microbatch_options(mesh: Mesh, batch: int, schedule: str, microbatches) -> 
 
 def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto", recompute="none",
            memory_budget=None, schedule="1F1B", microbatches=None, zero=0, device="h100",
-           gpus_per_node=8, stages=None, virtual_stages=None) -> tuple[Captured, dict, Plan]:
+           gpus_per_node=8, stages=None, virtual_stages=None, world_size=None) -> tuple[Captured, dict, Plan]:
     """Capture and plan: the graph, the strategy per node and the Plan (no process group needed).
 
     With pp > 1 and no ``microbatches``, every count the schedule can take is planned and
-    the one with the lowest predicted step time is kept."""
+    the one with the lowest predicted step time is kept. ``mesh="auto"`` needs ``world_size``:
+    every valid (dp, pp, tp) is ranked first (``autopar.mesh_search``) and the best one planned."""
+    notes = ()
+    if isinstance(mesh, str) and mesh == "auto":
+        mesh, microbatches, notes = _auto_mesh(model, example_inputs, world_size, device=device,
+                                               gpus_per_node=gpus_per_node, schedule=schedule, zero=zero,
+                                               sequence_parallel=sequence_parallel,
+                                               memory_budget=parse_bytes(memory_budget))
     mesh = Mesh.parse(mesh)
     _check_knobs(mesh, recompute, schedule, zero, sequence_parallel)
     knobs = dict(plan=plan, sequence_parallel=sequence_parallel, memory_budget=memory_budget,
@@ -97,10 +105,27 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
     if isinstance(plan, Plan):
         options = [plan.microbatches]
     if len(options) > 1:
-        best = min((_decide(model, mesh, example_inputs, microbatches=m, **knobs) for m in options),
-                   key=lambda r: r[2].predicted_step_time)
-        return best
-    return _decide(model, mesh, example_inputs, microbatches=options[0], **knobs)
+        cap, strategies, best = min((_decide(model, mesh, example_inputs, microbatches=m, **knobs)
+                                     for m in options), key=lambda r: r[2].predicted_step_time)
+    else:
+        cap, strategies, best = _decide(model, mesh, example_inputs, microbatches=options[0], **knobs)
+    return cap, strategies, dataclasses.replace(best, notes=best.notes + notes) if notes else best
+
+
+def _auto_mesh(model, example_inputs, world_size, **kw):
+    """The fastest (dp, pp, tp) that fits, its microbatch count, and the ranking as plan notes."""
+    from autopar.mesh_search import rank_meshes, ranking_table
+
+    if not world_size:
+        raise ValueError('mesh="auto" needs the number of devices: pass world_size= (the CLI\'s --gpus)')
+    options = rank_meshes(model, world_size, example_inputs, **kw)
+    table = ranking_table(options)
+    best = options[0]
+    if not best.fits:
+        raise PlanError(f"no mesh of {world_size} devices fits in memory; the closest needs "
+                        f"{best.peak_memory / 2**30:.1f} GiB per device:\n{table}")
+    note = f"mesh chosen automatically among {len(options)} candidates for {world_size} devices:\n{table}"
+    return best.mesh, best.microbatches, (note,)
 
 
 def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budget, schedule, microbatches,
@@ -142,9 +167,7 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
 def _with_stages(result: Plan, cap, strategies, mesh, dev, *, schedule, virtual, zero, gpus_per_node,
                  memory_budget, stages) -> Plan:
     """The plan with its pipeline stages cut by the cost model (or as ``stages`` says)."""
-    import dataclasses
-
-    from autopar.pipeline import choose_cut, layer_units, unit_costs
+    from autopar.pipeline import choose_cut, dp_sync_time, layer_units, state_bytes_per_param_byte, unit_costs
     from autopar.plan import StagePlan
 
     units = layer_units(cap)
@@ -155,16 +178,22 @@ def _with_stages(result: Plan, cap, strategies, mesh, dev, *, schedule, virtual,
     stage_plans = tuple(StagePlan(s, s % mesh.pp, tuple(m for u in units[a:b] for m in u.modules),
                                   float(cut.stage_times[s]), float(cut.rank_memory[s % mesh.pp]))
                         for s, (a, b) in enumerate(cut.bounds))
+    static = costs[1]
+    rank_params = max(sum(static[a:b].sum() for s, (a, b) in enumerate(cut.bounds) if s % mesh.pp == r)
+                      for r in range(mesh.pp)) / state_bytes_per_param_byte(mesh, zero)
     return dataclasses.replace(result, schedule=schedule, virtual_stages=virtual, stages=stage_plans,
-                               predicted_compute_s=float(cut.step_time))
+                               predicted_compute_s=float(cut.step_time),
+                               predicted_comm_s=dp_sync_time(rank_params, mesh, dev, zero, gpus_per_node))
 
 
-def plan(model, mesh, example_inputs, *, device="h100", gpus_per_node=8, **knobs) -> Plan:
+def plan(model, mesh, example_inputs, *, device="h100", gpus_per_node=8, world_size=None, **knobs) -> Plan:
     """Plan offline: no process group, no GPU; ``model`` may live on the meta device.
 
-    ``knobs`` are parallelize's: plan, sequence_parallel, recompute, memory_budget,
-    schedule, microbatches, zero."""
-    return decide(model, mesh, example_inputs, device=device, gpus_per_node=gpus_per_node, **knobs)[2]
+    ``mesh`` is (dp, pp, tp) or "auto" (then ``world_size`` devices are ranked; the ranking
+    is in the plan's notes). ``knobs`` are parallelize's: plan, sequence_parallel, recompute,
+    memory_budget, schedule, microbatches, zero, stages, virtual_stages."""
+    return decide(model, mesh, example_inputs, device=device, gpus_per_node=gpus_per_node, world_size=world_size,
+                  **knobs)[2]
 
 
 def _default_device() -> str:
@@ -189,25 +218,30 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
     from autopar.launch import init_distributed
     from autopar.parallel_model import ParallelModel
 
-    mesh_ = Mesh.parse(mesh)
-    _check_knobs(mesh_, recompute, schedule, zero, sequence_parallel)
     if not dist.is_initialized():
         init_distributed()
-    if dist.get_world_size() != mesh_.world_size:
-        raise ValueError(f"mesh {mesh_} needs {mesh_.world_size} ranks but the world has "
-                         f"{dist.get_world_size()}; launch {mesh_.world_size} processes or change the mesh")
+    world = dist.get_world_size()
+    auto = isinstance(mesh, str) and mesh == "auto"
+    mesh_ = None if auto else Mesh.parse(mesh)
+    if mesh_ is not None:
+        _check_knobs(mesh_, recompute, schedule, zero, sequence_parallel)
+        if world != mesh_.world_size:
+            raise ValueError(f"mesh {mesh_} needs {mesh_.world_size} ranks but the world has {world}; "
+                             f"launch {mesh_.world_size} processes or change the mesh")
     knobs = dict(sequence_parallel=sequence_parallel, recompute=recompute, memory_budget=memory_budget,
                  schedule=schedule, microbatches=microbatches, zero=zero, device=device or _default_device(),
                  stages=stages, virtual_stages=virtual_stages)
     box = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = decide(model, mesh_, example_inputs, plan=plan, **knobs)[2].to_json()
+            box[0] = decide(model, mesh, example_inputs, plan=plan, world_size=world, **knobs)[2].to_json()
         except Exception as e:   # every rank must learn of the failure, not hang in the broadcast
             box[0] = e
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], Exception):
         raise box[0]
-    cap, strategies, the_plan = decide(model, mesh_, example_inputs, plan=Plan.from_json(box[0]), **knobs)
+    the_plan = Plan.from_json(box[0])
+    mesh_ = Mesh(*the_plan.mesh)
+    cap, strategies, the_plan = decide(model, mesh_, example_inputs, plan=the_plan, **knobs)
     dmesh = device_mesh(mesh_, default_device_type())
     return ParallelModel(model, cap, strategies, the_plan, mesh_, dmesh, compile=compile)

@@ -75,7 +75,7 @@ def unit_costs(cap: Captured, strategies: dict, units: list[Unit], mesh, dev, *,
             if consumer in unit_of:
                 time[unit_of[consumer]] += collective_time(kind, nbytes, tp, dev, tp_inter)
     static = np.zeros(len(units))
-    state = 2.0 + (2.0 / mesh.dp if zero else 2.0)     # param + grad + Adam's two moments
+    state = state_bytes_per_param_byte(mesh, zero)
     for fqn, node in cap.params.items():
         pl = strategies[node].output
         nbytes = float(np.prod(local_shape(tuple(node.meta["val"].shape), pl, tp))) * node.meta["val"].element_size()
@@ -94,6 +94,20 @@ def unit_costs(cap: Captured, strategies: dict, units: list[Unit], mesh, dev, *,
         bw = dev.inter_node_bw if pp_inter else dev.intra_node_bw
         boundary[k] = 2 * nbytes / bw     # activations forward, their gradients backward
     return time, static, act, boundary
+
+
+def state_bytes_per_param_byte(mesh, zero: int) -> float:
+    """Parameter + gradient + Adam's two moments (the moments sharded over dp with ZeRO-1)."""
+    return 2.0 + (2.0 / mesh.dp if zero else 2.0)
+
+
+def dp_sync_time(param_bytes: float, mesh, dev, zero: int, gpus_per_node: int) -> float:
+    """Seconds to average one rank's gradients over dp (and with ZeRO-1 re-gather its parameters)."""
+    if mesh.dp == 1:
+        return 0.0
+    inter = axis_is_inter_node(mesh.dp, mesh.pp * mesh.tp, gpus_per_node)
+    kinds = ["reduce_scatter", "all_gather"] if zero else ["all_reduce"]
+    return sum(collective_time(k, param_bytes, mesh.dp, dev, inter) for k in kinds)
 
 
 def choose_cut(costs, units: list[Unit], mesh, *, schedule: str, microbatches: int, virtual: int,

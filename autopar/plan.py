@@ -77,8 +77,8 @@ class Plan:
     parameters: tuple[ParamPlan, ...]
     nodes: tuple[NodePlan, ...]
     collectives: tuple[CollectivePlan, ...]
-    predicted_compute_s: float
-    predicted_comm_s: float
+    predicted_compute_s: float      # with pp > 1: the pipeline step (tp communication and bubble included)
+    predicted_comm_s: float         # communication not inside that: tp collectives (pp = 1), dp sync
     solve_seconds: float = 0.0
     schedule: str = "1F1B"
     virtual_stages: int = 1

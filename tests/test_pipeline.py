@@ -119,3 +119,25 @@ def test_pipeline_bad_input():
         _plan(TINY, (1, 2, 1), schedule="Interleaved1F1B", microbatches=3, batch=6)
     with pytest.raises(ValueError, match=r"schedule='2F2B'"):
         _plan(TINY, (1, 2, 1), schedule="2F2B")
+
+
+def test_auto_mesh_offline_ranks_candidates():
+    cfg = replace(TINY, n_layer=4)
+    plan = _plan(cfg, "auto", batch=8, world_size=4, device="h100")
+    assert plan.mesh[0] * plan.mesh[1] * plan.mesh[2] == 4
+    assert "mesh chosen automatically among" in plan.notes[0] and "(4, 1, 1)" in plan.notes[0]
+    with pytest.raises(ValueError, match="world_size"):
+        _plan(cfg, "auto")
+
+
+def _auto_run(rank, world):
+    return parallel_run(rank, world, "auto", dict(compile=False, device="cpu"))
+
+
+def test_auto_mesh_trains_like_the_unsharded_model():
+    ref_loss, ref_grads, _ = reference()
+    for loss, grads, _, plan in spawn(_auto_run, 2, timeout=300):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6)
+        assert "mesh chosen automatically" in json.loads(plan)["notes"][0]
