@@ -32,7 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(no GPU, no process group) and print the plan summary.")
     p.add_argument("config", metavar="CONFIG", choices=list(CONFIGS),
                    help=f"model config: {', '.join(CONFIGS)}")
-    p.add_argument("--mesh", required=True, help="dp,pp,tp, e.g. 1,1,8")
+    p.add_argument("--mesh", required=True, help="dp,pp,tp, e.g. 1,1,8, or auto (with --gpus)")
+    p.add_argument("--gpus", type=int, help="number of devices, for --mesh auto")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (default 8)")
+    p.add_argument("--schedule", default="1F1B", help="pipeline schedule: GPipe, 1F1B, Interleaved1F1B, "
+                                                      "InterleavedZeroBubble (default 1F1B)")
+    p.add_argument("--microbatches", type=int, help="microbatches per step (default: the cost model's choice)")
     p.add_argument("--device", default="h100",
                    help="cost model device: a preset (e.g. h100, h200, cpu) or a JSON profile path "
                         "(default h100)")
@@ -66,7 +71,9 @@ def _plan(args) -> int:
                              f"{model.config.block_size}")
         inputs = example_inputs(model.config, args.batch, seq, device="meta")
         plan = autopar.plan(model, args.mesh, inputs, device=args.device, plan=args.plan,
-                            sequence_parallel=_SP[args.sequence_parallel], zero=args.zero)
+                            sequence_parallel=_SP[args.sequence_parallel], zero=args.zero,
+                            world_size=args.gpus, gpus_per_node=args.gpus_per_node, schedule=args.schedule,
+                            microbatches=args.microbatches)
     print(plan.summary())
     if args.out:
         plan.to_json(args.out)

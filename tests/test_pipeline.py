@@ -17,6 +17,7 @@ SEVEN = replace(TINY, n_layer=7)
 CASES = [((1, 2, 1), dict(schedule="GPipe")),
          ((1, 2, 1), dict(schedule="1F1B")),
          ((1, 2, 1), dict(schedule="Interleaved1F1B", virtual_stages=2)),
+         ((1, 2, 1), dict(schedule="InterleavedZeroBubble", virtual_stages=2)),
          ((1, 2, 1), dict(schedule="1F1B", cfg=SEVEN)),
          ((1, 3, 1), dict(schedule="1F1B", cfg=SEVEN, microbatches=4, batch=8)),
          ((1, 4, 1), dict(schedule="GPipe")),
