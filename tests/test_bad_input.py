@@ -32,8 +32,8 @@ def test_bad_mesh_shapes():
         autopar.Mesh(0, 1, 1)
     with pytest.raises(ValueError, match=r"expected three integers"):
         autopar.Mesh.parse("2,x,1")
-    with pytest.raises(NotImplementedError, match="pipeline parallelism"):
-        _plan((1, 2, 1))
+    with pytest.raises(ValueError, match=r"schedule='GPipe2'"):
+        _plan((1, 2, 1), schedule="GPipe2")
 
 
 def test_unknown_plan_name():
