@@ -118,6 +118,8 @@ def test_pipeline_bad_input():
         _plan(TINY, (1, 2, 1), microbatches=1)
     with pytest.raises(ValueError, match=r"multiple of pp=2"):
         _plan(TINY, (1, 2, 1), schedule="Interleaved1F1B", microbatches=3, batch=6)
+    with pytest.raises(ValueError, match=r"batch size 8 is not divisible by dp=1 x microbatches=3"):
+        _plan(TINY, (1, 2, 1), microbatches=3)
     with pytest.raises(ValueError, match=r"schedule='2F2B'"):
         _plan(TINY, (1, 2, 1), schedule="2F2B")
 
