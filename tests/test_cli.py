@@ -32,7 +32,7 @@ def test_plan_gpt2_prints_placements_and_step_time(tmp_path):
 
 @pytest.mark.parametrize("mesh, words", [
     ("1,1,5", ["tp=5", "12 attention heads", "valid tp", "1, 2, 3, 4, 6, 12"]),
-    ("1,16,1", ["16 pipeline stages", "only 14 units", "12 blocks"]),
+    ("1,16,1", ["cannot be split into at least pp=16 microbatches", "multiple of 16"]),
 ])
 def test_plan_bad_mesh_is_one_line_and_exit_2(mesh, words):
     r = _autopar("plan", "gpt2", "--mesh", mesh, "--batch", "8", "--seq", "128")
