@@ -30,6 +30,7 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True
+    attention: str = "sdpa"   # "sdpa": fused kernel; "explicit": softmax(q k^T) v spelled out
 
     @property
     def head_dim(self) -> int:
@@ -59,6 +60,13 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.explicit = cfg.attention == "explicit"
+        if cfg.attention not in ("sdpa", "explicit"):
+            raise ValueError(f"attention={cfg.attention!r}: expected 'sdpa' or 'explicit'")
+        if self.explicit:
+            self.attn_dropout = nn.Dropout(cfg.dropout)
+            causal = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
+            self.register_buffer("causal", causal.view(1, 1, cfg.block_size, cfg.block_size), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -66,8 +74,13 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if self.explicit:   # the attention core Megatron's selective recompute targets
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))   # (B, nh, T, T)
+            att = att.masked_fill(~self.causal[:, :, :T, :T], float("-inf"))
+            y = self.attn_dropout(F.softmax(att, dim=-1)) @ v                 # (B, nh, T, hd)
+        else:
+            p = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)               # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 

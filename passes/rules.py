@@ -118,7 +118,8 @@ POINTWISE = [
     aten.neg.default, aten.rsqrt.default, aten.pow.Tensor_Scalar, aten.exp.default,
     aten.sigmoid.default, aten.add.Scalar, aten.mul.Scalar, aten._to_copy.default,
     aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
-    aten.to.dtype, aten.type_as.default,
+    aten.to.dtype, aten.type_as.default, aten.bitwise_not.default, aten.eq.Scalar,
+    aten.masked_fill.Scalar,
 ]
 
 
@@ -305,6 +306,39 @@ def embedding(node: Node, ctx: RuleContext) -> list[Strategy]:
         if ctx.shardable(idx, d):
             out.append(Strategy((R, Shard(d)), Shard(d), ctx.size))
     return out
+
+
+@rule(aten.matmul.default, aten.bmm.default)
+def matmul(node: Node, ctx: RuleContext) -> list[Strategy]:
+    """Batched a @ b over equal leading (batch) dims: shard a batch dim, or the contraction (-> P)."""
+    a, b = node.args[0], node.args[1]
+    ra, rb, r = len(shape(a)), len(shape(b)), len(shape(node))
+    out = [Strategy((R, R), R)]
+    if ra != rb or ra < 3:
+        return out
+    for d in range(r - 2):
+        if ctx.shardable(node, d):
+            out.append(Strategy((Shard(d), Shard(d)), Shard(d), ctx.size))
+    if shape(a)[-1] >= ctx.size:
+        out.append(Strategy((Shard(ra - 1), Shard(rb - 2)), P, ctx.size))
+    return out
+
+
+@rule(aten.softmax.int, aten._softmax.default, aten._log_softmax.default, aten.log_softmax.int)
+def softmax(node: Node, ctx: RuleContext) -> list[Strategy]:
+    r = len(shape(node))
+    dim = node.args[1] % r
+    out = [Strategy((R,), R)]
+    out += [Strategy((Shard(d),), Shard(d), ctx.size) for d in range(r) if d != dim and ctx.shardable(node, d)]
+    return out
+
+
+@rule(aten.slice.Tensor)
+def slice_(node: Node, ctx: RuleContext) -> list[Strategy]:
+    r = len(shape(node))
+    dim = (node.args[1] if len(node.args) > 1 else 0) % r
+    return [Strategy((R,), R)] + [Strategy((Shard(d),), Shard(d)) for d in range(r)
+                                  if d != dim and ctx.shardable(node.args[0], d, exact=False)]
 
 
 @rule(aten.layer_norm.default)
