@@ -153,3 +153,31 @@ def split(x: torch.Tensor, dim: int, group: str, size: int, rank: int, interleav
 
 COLLECTIVE_FUNCTIONS = (copy_to, all_reduce, all_gather, reduce_scatter, split)
 
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """y = all_gather(x) @ w.T, keeping only this rank's shard of x for backward.
+
+    Megatron's sequence-parallel linear: the backward gathers x again (one more all-gather)
+    instead of holding the gathered copy from forward to backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, dim, group, size, rank, full):
+        ctx.args = (dim, group, size, rank, full)
+        ctx.save_for_backward(x, w)
+        return F.linear(_ag(x, dim, group, size, full), w)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        dim, group, size, rank, full = ctx.args
+        x_full = _ag(x, dim, group, size, full)
+        grad_w = g.reshape(-1, g.shape[-1]).t() @ x_full.reshape(-1, x_full.shape[-1])
+        grad_x = _rs(g @ w, dim, group, size)
+        return grad_x, grad_w, None, None, None, None, None
+
+
+def gathered_linear(x: torch.Tensor, w: torch.Tensor, dim: int, group: str, size: int, rank: int,
+                    full: int) -> torch.Tensor:
+    """Linear of the all-gathered ``x`` that keeps only the shard for backward (re-gathered there)."""
+    return _GatheredLinear.apply(x, w, dim, group, size, rank, full)

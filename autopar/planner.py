@@ -26,7 +26,7 @@ from torch.fx import Node
 from autopar.cost_model import collective_time, compute_time, node_bytes, node_flops
 from autopar.ilp import solve_strategies
 from autopar.passes.capture import Captured
-from autopar.passes.reshard import ReshardError, reshard_steps, step_collectives
+from autopar.passes.reshard import ReshardError, regathers, reshard_steps, step_collectives
 from autopar.passes.rules import POINTWISE, RuleContext, Strategy, dim_labels, is_float, shape, strategies_for
 from autopar.placement import R, Placement, Shard
 
@@ -201,9 +201,9 @@ def _edge_matrix(producer: Node, consumer: Node, slot: int, options, tp, dev, in
                 continue
             if key not in cache:
                 try:
-                    steps = reshard_steps(*key)
+                    kinds = edge_collectives(consumer.target, slot, *key, fl)
                     cache[key] = sum(collective_time(kind, nbytes, tp, dev, inter_node) + LAUNCH_OVERHEAD
-                                     for _, kind in step_collectives(steps, fl))
+                                     for _, kind in kinds)
                 except ReshardError:
                     cache[key] = np.inf
             m[i, j] = cache[key]
@@ -257,15 +257,26 @@ def tp_collectives(cap: Captured, strategies: dict[Node, Strategy], tp: int):
                     for kind, _ in s.comm]
         else:
             continue
-        for p, dst, div in pairs:
-            if (p, dst, div) in seen:
-                continue
-            seen.add((p, dst, div))
-            steps = reshard_steps(strategies[p].output, dst, div)
+        for slot, (p, dst, div) in enumerate(pairs):
+            kinds = edge_collectives(c.target, slot, strategies[p].output, dst, div, is_float(p))
+            own = regathers(c.target, slot, strategies[p].output, reshard_steps(strategies[p].output, dst, div))
+            if not own:   # the rewrite moves a value once for all consumers wanting it the same way
+                if (p, dst, div) in seen:
+                    continue
+                seen.add((p, dst, div))
             nbytes = tensor_bytes(c if isinstance(p.meta.get("val"), (list, tuple)) else p)
             where = c.meta.get("module_path", "") or p.meta.get("module_path", "")
-            out += [(phase, kind, where, nbytes, c) for phase, kind in step_collectives(steps, is_float(p))]
+            out += [(phase, kind, where, nbytes, c) for phase, kind in kinds]
     return out
+
+
+def edge_collectives(consumer_target, slot: int, src: Placement, dst: Placement, divergent: bool, is_float_: bool):
+    """(phase, kind) of the collectives moving one input from ``src`` to ``dst`` for its consumer."""
+    steps = reshard_steps(src, dst, divergent)
+    kinds = step_collectives(steps, is_float_)
+    if regathers(consumer_target, slot, src, steps):
+        kinds.append(("bwd", "all_gather"))
+    return kinds
 
 
 def build_plan(cap: Captured, assignment: Assignment, mesh, dev, *, sequence_parallel: bool,

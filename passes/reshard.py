@@ -55,3 +55,14 @@ def step_collectives(steps, is_float: bool):
         if bwd and is_float:
             out.append(("bwd", bwd))
     return out
+
+
+def regathers(consumer_target, slot: int, src: Placement, steps) -> bool:
+    """Whether a linear gathers this input itself and keeps only the shard for backward.
+
+    Megatron's sequence-parallel linear: its input arrives sequence-sharded, is all-gathered
+    forward, and all-gathered again in backward instead of kept whole (one more all-gather,
+    (t-1)/t less activation memory)."""
+    import torch
+    return (consumer_target is torch.ops.aten.linear.default and slot == 0
+            and isinstance(src, Shard) and src.interleave == 1 and [s for s, _ in steps] == ["gather_reduce"])

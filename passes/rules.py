@@ -432,6 +432,8 @@ def _label(node: Node, labels: dict) -> tuple[str, ...]:
         return tuple(lab[d % len(out)] for d in node.args[1])
     if tgt in (aten.linear.default,) and lab:
         return lab[:-1] + ("other",)
+    if tgt in (aten.matmul.default, aten.bmm.default) and lab:
+        return lab[:-1] + labels.get(node.args[1], ("other",))[-1:]
     if tgt == operator.getitem:
         return lab
     # elementwise and everything else: right-aligned broadcast of the inputs' labels

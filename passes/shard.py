@@ -11,7 +11,7 @@ from torch.fx.node import map_arg
 
 from autopar import collectives as C
 from autopar import ops
-from autopar.passes.reshard import reshard_steps
+from autopar.passes.reshard import regathers, reshard_steps
 from autopar.passes.rules import Strategy, is_float, shape
 from autopar.placement import R, Shard, local_shape, padded_size
 
@@ -50,6 +50,12 @@ def shard_pass(gm: GraphModule, strategies: dict[Node, Strategy], *, size: int, 
         elif node.op == "output":
             out = node.args[0]
             g.output(map_arg(out, lambda n: fetch(n, R, False)))
+        elif node.op == "call_function" and _regathered(node, strategies):
+            x, w = node.args[:2]
+            src = strategies[x].output
+            env[node] = g.call_function(C.gathered_linear, (env[x], fetch(w, strategies[node].inputs[1], False),
+                                                            src.dim, me.group, me.size, me.rank, shape(x)[src.dim]))
+            env[node].meta["module_path"] = node.meta.get("module_path", "")
         elif node.op == "call_function":
             s = strategies[node]
             local = {i: fetch(i, s.inputs[k], s.divergent(k) and is_float(i))
@@ -68,6 +74,16 @@ def shard_pass(gm: GraphModule, strategies: dict[Node, Strategy], *, size: int, 
     out = GraphModule(gm, g)
     out.graph.lint()
     return out
+
+
+def _regathered(node: Node, strategies) -> bool:
+    """A linear whose input is all-gathered from sequence shards gathers it itself (see regathers)."""
+    if node.target is not aten.linear.default or node.args[0] is node.args[1]:
+        return False
+    x = node.args[0]
+    s = strategies[node]
+    steps = reshard_steps(strategies[x].output, s.inputs[0], s.divergent(0) and is_float(x))
+    return regathers(node.target, 0, strategies[x].output, steps)
 
 
 def _emit_step(g: Graph, step: str, x: Node, src, dst, full_shape, me: _Rank) -> Node:

@@ -74,16 +74,18 @@ def _rank_graphs(rank, world, sp):
 def test_collectives_in_compiled_graphs(sp):
     """The functional collectives AOTAutograd put in each rank's forward and backward graphs are
     the plan's, and a transformer layer holds Megatron's: 2 all-reduces each way without sequence
-    parallelism; with it, 2 all-gathers and 2 reduce-scatters each way."""
+    parallelism; with it, 2 all-gathers and 2 reduce-scatters each way (plus the re-gathers)."""
     for graphs, planned, layer in spawn(_rank_graphs, 2, sp, timeout=300):
         assert graphs["fwd"] == planned["fwd"] and graphs["bwd"] == planned["bwd"]
         if not sp:
             assert layer["fwd"] == {"all_reduce": 2} and layer["bwd"] == {"all_reduce": 2}
         else:
             assert layer["fwd"] == {"all_gather": 2, "reduce_scatter": 2}
-            # the norms' weights and biases and the row-parallel biases see sequence shards,
-            # so their (small) gradients are all-reduced: 2 x 2 + 2
-            assert layer["bwd"] == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 6}
+            # the column-parallel linears keep their sequence shard and gather it again
+            # backward (Megatron's storage rule: 2 more all-gathers); the norms' weights and
+            # biases and the row-parallel biases see sequence shards, so their (small)
+            # gradients are all-reduced: 2 x 2 + 2
+            assert layer["bwd"] == {"all_gather": 4, "reduce_scatter": 2, "all_reduce": 6}
 
 
 def _inductor_run(rank, world):

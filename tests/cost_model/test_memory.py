@@ -1,0 +1,51 @@
+"""The activation memory model against Korthikanti et al. 2022, Table 2 (per layer, 16-bit)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.api import decide
+from autopar.cost_model.memory import activation_bytes, attention_core
+from autopar.examples.gpt import build
+from autopar.planner import find_blocks
+
+
+def _per_layer(s, b, h, a, t, sp, selective, attention="explicit"):
+    """Bytes one layer keeps for backward, over s*b*h, from the traced graph under the plan."""
+    model = build("gpt3-1.3b", device="meta", n_layer=2, n_embd=h, n_head=a, block_size=s, vocab_size=512,
+                  attention=attention, dropout=0.1).to(torch.bfloat16)
+    inputs = tuple(torch.empty(b, s, dtype=torch.long, device="meta") for _ in range(2))
+    cap, strategies, _ = decide(model, (1, 1, t), inputs, plan="megatron" if t > 1 else "auto",
+                                sequence_parallel=sp)
+    block = find_blocks(cap)[0]
+    regions = [attention_core(block)] if selective else []
+    return activation_bytes(block, strategies, t, regions) / (s * b * h)
+
+
+TABLE_2 = {   # (tp, sequence parallel, selective recompute) -> bytes / (s b h)
+    (1, False, False): lambda a, s, h, t: 34 + 5 * a * s / h,
+    ("t", False, False): lambda a, s, h, t: 10 + 24 / t + 5 * a * s / (h * t),
+    ("t", True, False): lambda a, s, h, t: (34 + 5 * a * s / h) / t,
+    ("t", False, True): lambda a, s, h, t: 10 + 24 / t,
+    ("t", True, True): lambda a, s, h, t: 34 / t,
+}
+SHAPES = [(2048, 4, 6144, 64, 8),     # the paper's 22B model (a=64, h=6144, s=2048, t=8)
+          (2048, 2, 12288, 96, 8),    # GPT-3 175B shapes
+          (1024, 8, 2048, 16, 4),
+          (512, 4, 1024, 16, 2)]
+
+
+@pytest.mark.parametrize("s,b,h,a,t", SHAPES)
+@pytest.mark.parametrize("row", list(TABLE_2), ids=lambda r: f"tp={r[0]}-sp={r[1]}-selective={r[2]}")
+def test_table_2(s, b, h, a, t, row):
+    tp = 1 if row[0] == 1 else t
+    got = _per_layer(s, b, h, a, tp, row[1], row[2])
+    want = TABLE_2[row](a, s, h, tp)
+    assert got == pytest.approx(want, rel=0.01), f"{got:.3f} sbh vs Table 2's {want:.3f} sbh"
+
+
+def test_fused_attention_replaces_the_score_term():
+    """With scaled_dot_product_attention nothing of size a*s*s is kept: 36 + 4a/h per layer."""
+    s, b, h, a = 2048, 4, 6144, 64
+    got = _per_layer(s, b, h, a, 1, False, False, attention="sdpa")
+    assert got == pytest.approx(36 + 4 * a / h, rel=0.01)
