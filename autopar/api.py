@@ -35,8 +35,8 @@ def _check_knobs(mesh: Mesh, recompute, schedule, zero, sequence_parallel):
     from autopar.pipeline import SCHEDULES
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
-    if recompute != "none":
-        raise NotImplementedError(f"recompute={recompute!r} is not available yet; use recompute='none'")
+    if recompute not in ("none", "selective", "full", "auto"):
+        raise ValueError(f"recompute={recompute!r}: expected 'none', 'selective', 'full' or 'auto'")
     if zero not in (0, 1):
         raise ValueError(f"zero={zero!r}: autopar supports zero=0 (replicated optimizer state) "
                          "and zero=1 (optimizer state sharded over dp)")
@@ -100,7 +100,7 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
     _check_knobs(mesh, recompute, schedule, zero, sequence_parallel)
     knobs = dict(plan=plan, sequence_parallel=sequence_parallel, memory_budget=memory_budget,
                  schedule=schedule, zero=zero, device=device, gpus_per_node=gpus_per_node, stages=stages,
-                 virtual_stages=virtual_stages)
+                 virtual_stages=virtual_stages, recompute=recompute)
     options = _microbatch_options(mesh, example_inputs[0].shape[0], schedule, microbatches)
     if isinstance(plan, Plan):
         options = [plan.microbatches]
@@ -129,7 +129,7 @@ def _auto_mesh(model, example_inputs, world_size, **kw):
 
 
 def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budget, schedule, microbatches,
-            zero, device, gpus_per_node, stages, virtual_stages):
+            zero, device, gpus_per_node, stages, virtual_stages, recompute):
     m = microbatches
     v = _virtual(schedule, virtual_stages)
     dev = get_device(device)
@@ -152,16 +152,43 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
     elif plan != "auto":
         raise ValueError(f"plan={plan!r}: expected 'auto', 'megatron', a Plan or a plan JSON path")
     inter = mesh.tp > gpus_per_node
-    assignment = solve(cap, options, mesh.tp, dev, inter_node=inter, memory_budget=parse_bytes(memory_budget))
+    budget = parse_bytes(memory_budget)
+    assignment = solve(cap, options, mesh.tp, dev, inter_node=inter,
+                       memory_budget=budget if recompute != "auto" else None)
     sp = any(isinstance(s.output, Shard) and n.target is torch.ops.aten.layer_norm.default
              for n, s in assignment.strategies.items())
     result = build_plan(cap, assignment, mesh, dev, sequence_parallel=sp, zero=zero, microbatches=m,
                         source=plan, gpus_per_node=gpus_per_node)
     if mesh.pp > 1:
         result = _with_stages(result, cap, assignment.strategies, mesh, dev, schedule=schedule, virtual=v,
-                              zero=zero, gpus_per_node=gpus_per_node, memory_budget=parse_bytes(memory_budget),
-                              stages=stages)
+                              zero=zero, gpus_per_node=gpus_per_node, memory_budget=budget, stages=stages)
+    result = _with_memory(result, cap, assignment.strategies, mesh, dev, recompute=recompute, budget=budget,
+                          zero=zero)
     return cap, assignment.strategies, result
+
+
+def _with_memory(result: Plan, cap, strategies, mesh, dev, *, recompute: str, budget, zero: int) -> Plan:
+    """The plan with its recompute regions and per-stage memory."""
+    from autopar.memory_plan import choose_recompute, memory_breakdown, regions_for
+    from autopar.stage_dp import inflight_microbatches
+
+    if recompute == "auto":
+        if budget is None:
+            raise ValueError("recompute='auto' needs memory_budget= (e.g. '60GiB')")
+        regions, _ = choose_recompute(cap, strategies, mesh, dev, zero=zero, budget=budget)
+    else:
+        regions = regions_for(cap, recompute)
+    stage_nodes = inflight = None
+    if result.stages:
+        from autopar.pipeline import stage_of_nodes
+        where = stage_of_nodes(cap, result)
+        stage_nodes = [[n for n in cap.gm.graph.nodes if n.op == "call_function" and where.get(n.name, len(result.stages) - 1) == s]
+                       for s in range(len(result.stages))]
+        inflight = inflight_microbatches(mesh.pp, result.microbatches, result.virtual_stages, result.schedule)
+    memory = memory_breakdown(cap, strategies, mesh, zero=zero, regions=regions, stage_nodes=stage_nodes,
+                              inflight=inflight)
+    return dataclasses.replace(result, recompute=recompute, memory=memory,
+                               recompute_regions=tuple(tuple(n.name for n in r) for r in regions))
 
 
 def _with_stages(result: Plan, cap, strategies, mesh, dev, *, schedule, virtual, zero, gpus_per_node,

@@ -1,6 +1,7 @@
 """ParallelModel: one rank's share of a parallelized model, and its training step."""
 from __future__ import annotations
 
+import copy
 import hashlib
 
 import torch
@@ -9,6 +10,7 @@ from torch.utils._pytree import tree_map
 
 from autopar import collectives as C
 from autopar.mesh import group_name
+from autopar.passes.recompute import recompute_pass
 from autopar.passes.shard import shard_pass
 from autopar.placement import Shard, local_shape, parse_placement, shard_tensor
 
@@ -29,6 +31,10 @@ class ParallelModel:
         gm = cap.gm
         if mesh.tp > 1:
             gm = shard_pass(gm, strategies, size=mesh.tp, rank=self.coords["tp"], group=self._tp_group)
+        if plan.recompute_regions:
+            if gm is cap.gm:   # the captured graph is shared with the planner: rewrite a copy
+                gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+            gm = recompute_pass(gm, [set(r) for r in plan.recompute_regions])
         self.graph_module = gm
         self._placement = {p.fqn: parse_placement(p.placements["tp"]) for p in plan.parameters}
         self._aliases = {p.fqn: p.aliases for p in plan.parameters}
@@ -37,6 +43,7 @@ class ParallelModel:
         def materialize(fqns):
             return _materialize(model, cap, self._placement, mesh.tp, self.coords["tp"], fqns)
 
+        self._buffers = {fqn: b for fqn, b in model.named_buffers() if fqn in cap.buffers}
         self._pipeline = None
         if mesh.pp > 1:
             from autopar.pipeline import Pipeline
@@ -45,7 +52,6 @@ class ParallelModel:
         else:
             self._params = materialize(set(cap.params))
             self._fn = torch.compile(gm, backend="inductor" if compile is True else compile) if compile else gm
-        self._buffers = {fqn: b for fqn, b in model.named_buffers() if fqn in cap.buffers}
         self._slots = [(n.meta.get("kind"), n.meta.get("fqn")) for n in gm.graph.nodes if n.op == "placeholder"]
         self._input_names = [n.name for n in cap.inputs]
         self._global_batch = plan.input_shapes[0][0] * mesh.dp * plan.microbatches if plan.input_shapes else None

@@ -159,16 +159,20 @@ def _override_bounds(stages, units: list[Unit], n_stages: int):
 # ---- run time ---------------------------------------------------------------------------------
 
 class StageModule(torch.nn.Module):
-    """One stage's graph with its (local) parameters registered, for a PipelineStage."""
+    """One stage's graph with its (local) parameters and buffers registered, for a PipelineStage."""
 
-    def __init__(self, fn, param_fqns: list[str], params: dict[str, torch.nn.Parameter]):
+    def __init__(self, fn, fqns: list[str], tensors: dict[str, torch.Tensor]):
         super().__init__()
         self.fn = fn
-        self.keys = [f.replace(".", "__") for f in param_fqns]
-        self.weights = torch.nn.ParameterDict({k: params[f] for k, f in zip(self.keys, param_fqns)})
+        self.keys = [f.replace(".", "__") for f in fqns]
+        for k, f in zip(self.keys, fqns):
+            if isinstance(tensors[f], torch.nn.Parameter):
+                self.register_parameter(k, tensors[f])
+            else:
+                self.register_buffer(k, tensors[f], persistent=False)
 
     def forward(self, *acts):
-        return self.fn(*[self.weights[k] for k in self.keys], *acts)
+        return self.fn(*[getattr(self, k) for k in self.keys], *acts)
 
 
 def make_schedule(name: str, stages: list, microbatches: int, loss_fn):
@@ -217,14 +221,15 @@ class Pipeline:
         self.owner = {f: min(r) for f, r in holders.items()}
         needed = {f for f, r in holders.items() if me in r}
         params = materialize(needed)
+        tensors = {**params, **{f: b for f, b in pm._buffers.items() if f in needed}}
         wrap = (lambda g: torch.compile(g, backend="inductor" if compile is True else compile)) if compile else (lambda g: g)
         device = pm._device
         self.pp_group = group_name(dmesh, "pp")
         pg = dmesh.get_group("pp")
-        self.stages = [PipelineStage(StageModule(wrap(self.sg.stages[s]), self.sg.stage_params[s], params),
+        self.stages = [PipelineStage(StageModule(wrap(self.sg.stages[s]), self.sg.stage_params[s], tensors),
                                      s, n, device, group=pg) for s in self.mine]
         tail = wrap(self.sg.tail)
-        tail_w = [params[f] for f in self.sg.tail_params] if self.last else []
+        tail_w = [tensors[f] for f in self.sg.tail_params] if self.last else []
 
         def loss_fn(out, target):
             return tail(*tail_w, *(out if isinstance(out, tuple) else (out,)), target)

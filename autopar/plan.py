@@ -65,6 +65,18 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class MemoryPlan:
+    """Predicted bytes on one rank of one pipeline stage (for pp = 1, the one stage)."""
+
+    stage: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: float       # kept for backward, times the microbatches in flight there
+    peak: float
+
+
+@dataclass(frozen=True)
 class Plan:
     """A complete parallelization decision for one model, mesh and input shape."""
 
@@ -83,6 +95,9 @@ class Plan:
     schedule: str = "1F1B"
     virtual_stages: int = 1
     stages: tuple[StagePlan, ...] = ()
+    recompute: str = "none"
+    recompute_regions: tuple[tuple[str, ...], ...] = ()   # global node names recomputed together
+    memory: tuple[MemoryPlan, ...] = ()
     source: str = "auto"
     version: int = PLAN_VERSION
     notes: tuple[str, ...] = field(default=())
@@ -149,6 +164,13 @@ class Plan:
                 mods = s.modules[0] + (f" .. {s.modules[-1]}" if len(s.modules) > 1 else "")
                 lines.append(f"  stage {s.index} on pp rank {s.rank}: {mods:50s} "
                              f"{s.predicted_time_s * 1e3:9.3f} ms/microbatch {s.memory_bytes / 2**30:8.2f} GiB")
+        if self.memory:
+            lines += ["", f"Memory per rank (GiB; recompute {self.recompute}, "
+                          f"{len(self.recompute_regions)} regions):"]
+            for mem in self.memory:
+                lines.append(f"  stage {mem.stage}: params {mem.params / 2**30:.3f}  grads {mem.grads / 2**30:.3f}  "
+                             f"optimizer {mem.optimizer / 2**30:.3f}  activations {mem.activations / 2**30:.3f}  "
+                             f"peak {mem.peak / 2**30:.3f}")
         lines += ["", f"Predicted step time {self.predicted_step_time * 1e3:.3f} ms "
                       f"(compute {self.predicted_compute_s * 1e3:.3f} ms, "
                       f"communication {self.predicted_comm_s * 1e3:.3f} ms); solved in {self.solve_seconds:.2f} s"]
@@ -205,7 +227,7 @@ def _build(cls, data, where: str):
 
 
 _NESTED = {"ParamPlan": ParamPlan, "NodePlan": NodePlan, "CollectivePlan": CollectivePlan,
-           "StagePlan": StagePlan}
+           "StagePlan": StagePlan, "MemoryPlan": MemoryPlan}
 
 
 def _convert(tp: str, value, name: str):
@@ -232,8 +254,9 @@ def _convert(tp: str, value, name: str):
         if not isinstance(value, list):
             raise PlanFormatError(f"{name}: expected a list, got {value!r}")
         inner = tp[len("tuple["):-1]
-        if inner.startswith("tuple[int"):
-            return tuple(_convert("tuple[int,...]", v, f"{name}[{i}]") for i, v in enumerate(value))
+        if inner.startswith("tuple[int") or inner.startswith("tuple[str"):
+            kind = inner[len("tuple["):].split(",")[0]
+            return tuple(_convert(f"tuple[{kind},...]", v, f"{name}[{i}]") for i, v in enumerate(value))
         kind = inner.split(",")[0]
         return tuple(_convert(kind, v, f"{name}[{i}]") for i, v in enumerate(value))
     raise AssertionError(f"unhandled plan field type {tp}")

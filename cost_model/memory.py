@@ -55,10 +55,15 @@ SAVES = {
 
 
 def base_of(node: Node) -> Node:
-    """The node whose storage ``node`` views."""
-    while node.op == "call_function" and node.target in _VIEWS | {__import__("operator").getitem}:
+    """The node whose storage ``node`` views (a dropout that drops nothing is its input)."""
+    while node.op == "call_function" and (node.target in _VIEWS | {__import__("operator").getitem}
+                                          or node.target is aten.dropout.default and not _drops(node)):
         node = node.args[0]
     return node
+
+
+def _drops(node: Node) -> bool:
+    return _dropout_p(node) > 0 and len(node.args) > 2 and bool(node.args[2])
 
 
 def _dropout_p(node: Node) -> float:
@@ -89,7 +94,7 @@ def saved_tensors(node: Node, strategies: dict, size: int):
     val = node.meta.get("val")
     ins = node.all_input_nodes
     rules = SAVES.get(node.target, [])
-    if node.target is aten.dropout.default and _dropout_p(node) > 0 and len(node.args) > 2 and node.args[2]:
+    if node.target is aten.dropout.default and _drops(node):
         rules = [("mask",)]
     for rule in rules:
         if rule[0] == "in":

@@ -36,7 +36,7 @@ def pipeline_split_pass(gm: GraphModule, stage_of: dict[str, int], n_stages: int
     node name (``meta["origin"]`` in a rewritten graph) to its stage."""
     nodes = list(gm.graph.nodes)
     origin = {n: n.meta.get("origin", n.name) for n in nodes}
-    compute = [n for n in nodes if n.op == "call_function"]
+    compute = [n for n in nodes if n.op in ("call_function", "get_attr")]   # get_attr: recompute regions
     stage = {n: stage_of.get(origin[n], n_stages - 1) for n in compute}
     inputs = [n for n in nodes if _kind(n) == "input"]
     first_users = {u for i in inputs for u in i.users if stage.get(u) == 0}
@@ -64,7 +64,7 @@ def pipeline_split_pass(gm: GraphModule, stage_of: dict[str, int], n_stages: int
     last_use = {}
     for n in compute:
         for a in n.all_input_nodes:
-            if a.op == "call_function" or (_kind(a) == "input" and a not in labels):
+            if a.op in ("call_function", "get_attr") or (_kind(a) == "input" and a not in labels):
                 last_use[a] = max(last_use.get(a, -1), stage[n])
     values = [v for v in nodes if v in last_use]
 
