@@ -1,8 +1,8 @@
 """Memory per rank and stage, and where to recompute: the plan's memory decisions.
 
 Per stage: parameters, gradients and optimizer state (by ZeRO level) of the layers it holds,
-and the activations one microbatch keeps (``cost_model.memory``) times the microbatches the
-schedule keeps in flight there. ``recompute="auto"`` picks per block none / selective / full
+the activations one microbatch keeps (``cost_model.memory``) times the microbatches the
+schedule keeps in flight there, and the largest backward transient; their sum is the peak. ``recompute="auto"`` picks per block none / selective / full
 with the smallest recompute time that brings every stage under the memory budget (an ILP over
 the blocks, ``autopar.ilp``), or says the smallest peak any choice reaches.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from autopar.cost_model.memory import activation_bytes, attention_core
+from autopar.cost_model.memory import activation_bytes, attention_core, backward_transient
 from autopar.ilp import InfeasibleError, solve_strategies
 from autopar.placement import local_shape
 from autopar.plan import MemoryPlan
@@ -53,7 +53,8 @@ def memory_breakdown(cap, strategies, mesh, *, zero: int, regions, stage_nodes=N
         params, grads, opt = _param_state(cap, strategies, fqns, mesh.tp, mesh.dp, zero)
         mine = [r for r in regions if r and r[0] in members]
         act = activation_bytes(nodes, strategies, mesh.tp, mine) * inflight[s]
-        out.append(MemoryPlan(s, params, grads, opt, act, params + grads + opt + act))
+        transient = max((backward_transient(n, strategies, mesh.tp) for n in nodes), default=0.0)
+        out.append(MemoryPlan(s, params, grads, opt, act, params + grads + opt + act + transient, transient))
     return tuple(out)
 
 

@@ -74,6 +74,7 @@ class MemoryPlan:
     optimizer: float
     activations: float       # kept for backward, times the microbatches in flight there
     peak: float
+    transient: float = 0.0   # the largest set of gradient buffers alive at once in backward
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,7 @@ class Plan:
             for mem in self.memory:
                 lines.append(f"  stage {mem.stage}: params {mem.params / 2**30:.3f}  grads {mem.grads / 2**30:.3f}  "
                              f"optimizer {mem.optimizer / 2**30:.3f}  activations {mem.activations / 2**30:.3f}  "
+                             f"backward transient {mem.transient / 2**30:.3f}  "
                              f"peak {mem.peak / 2**30:.3f}")
         lines += ["", f"Predicted step time {self.predicted_step_time * 1e3:.3f} ms "
                       f"(compute {self.predicted_compute_s * 1e3:.3f} ms, "

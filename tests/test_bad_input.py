@@ -13,7 +13,8 @@ from parity import BATCH, SEQ, TINY, make_model
 
 
 def _plan(mesh, cfg=TINY, batch=BATCH, **kw):
-    model = GPT(cfg).to("meta")
+    with torch.device("meta"):   # .to("meta") would untie the embedding and the head
+        model = GPT(cfg)
     return autopar.plan(model, mesh, example_inputs(cfg, batch, SEQ, device="meta"), **kw)
 
 
