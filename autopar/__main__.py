@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", default="auto", choices=["auto", "megatron"],
                    help="auto: the planner decides; megatron: the hand-written plan (default auto)")
     p.add_argument("--out", metavar="PLAN.json", help="also write the plan as JSON to this file")
+    d = sub.add_parser("diff", help="what differs between two plan files (exit 1 if anything does)",
+                       description="Compare two plan JSON files: placements, node strategies, collectives, "
+                                   "stages, memory and predicted time. Exit status 0 when they decide the "
+                                   "same things, 1 when they differ (as diff(1)).")
+    d.add_argument("a", metavar="A.json")
+    d.add_argument("b", metavar="B.json")
     return parser
 
 
@@ -89,6 +95,11 @@ def main(argv=None) -> int:
         return demo.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "diff":
+            from autopar.plan import Plan
+            text = Plan.from_json(args.a).diff(Plan.from_json(args.b))
+            print(text)
+            return 0 if text == "no differences" else 1
         return _plan(args)
     except (ValueError, NotImplementedError) as e:   # PlanError and PlanFormatError are ValueErrors
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

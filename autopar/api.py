@@ -13,9 +13,9 @@ from autopar.megatron import megatron_options
 from autopar.mesh import Mesh, default_device_type, device_mesh, group_name
 from autopar.passes.capture import Captured, capture_pass
 from autopar.plan import Plan
-from autopar.planner import (PlanError, build_plan, check_tp, enumerate_strategies, solve,
+from autopar.planner import (Assignment, PlanError, build_plan, check_tp, enumerate_strategies, solve,
                              strategies_from_plan)
-from autopar.placement import R, Shard
+from autopar.placement import Shard
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -140,21 +140,27 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
         if not plan.lstrip().startswith("{") and not Path(plan).exists():
             raise ValueError(f"plan={plan!r}: expected 'auto', 'megatron', a Plan or a plan JSON path")
         plan = Plan.from_json(plan)
-    if isinstance(plan, Plan):
-        if tuple(plan.mesh) != (mesh.dp, mesh.pp, mesh.tp):
-            raise PlanError(f"plan.mesh {tuple(plan.mesh)} does not match the mesh {mesh}")
-        if tuple(map(tuple, plan.input_shapes)) != tuple(tuple(i.meta["val"].shape) for i in cap.inputs):
-            raise PlanError(f"plan.input_shapes {plan.input_shapes} do not match this batch's "
+    given = plan if isinstance(plan, Plan) else None
+    regions = None
+    if given is not None:   # run as written: re-derive its collectives, times and memory from its choices
+        if tuple(given.mesh) != (mesh.dp, mesh.pp, mesh.tp):
+            raise PlanError(f"plan.mesh {tuple(given.mesh)} does not match the mesh {mesh}")
+        if tuple(map(tuple, given.input_shapes)) != tuple(tuple(i.meta["val"].shape) for i in cap.inputs):
+            raise PlanError(f"plan.input_shapes {given.input_shapes} do not match this batch's "
                             "microbatch shapes; re-plan for this batch size")
-        return cap, strategies_from_plan(cap, options, plan), plan
-    if plan == "megatron":
-        options = megatron_options(cap, options, sequence_parallel is not False) if mesh.tp > 1 else options
-    elif plan != "auto":
+        assignment = Assignment(strategies_from_plan(cap, options, given), options, given.solve_seconds, 0.0)
+        schedule, v, zero, recompute = given.schedule, given.virtual_stages, given.zero, given.recompute
+        stages = [s.modules for s in given.stages] or None
+        regions = _regions_from_plan(cap, given)
+        plan = given.source
+    elif plan == "megatron" or plan == "auto":
+        if plan == "megatron" and mesh.tp > 1:
+            options = megatron_options(cap, options, sequence_parallel is not False)
+        assignment = solve(cap, options, mesh.tp, dev, inter_node=mesh.tp > gpus_per_node,
+                           memory_budget=parse_bytes(memory_budget) if recompute != "auto" else None)
+    else:
         raise ValueError(f"plan={plan!r}: expected 'auto', 'megatron', a Plan or a plan JSON path")
-    inter = mesh.tp > gpus_per_node
     budget = parse_bytes(memory_budget)
-    assignment = solve(cap, options, mesh.tp, dev, inter_node=inter,
-                       memory_budget=budget if recompute != "auto" else None)
     sp = any(isinstance(s.output, Shard) and n.target is torch.ops.aten.layer_norm.default
              for n, s in assignment.strategies.items())
     result = build_plan(cap, assignment, mesh, dev, sequence_parallel=sp, zero=zero, microbatches=m,
@@ -163,20 +169,34 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
         result = _with_stages(result, cap, assignment.strategies, mesh, dev, schedule=schedule, virtual=v,
                               zero=zero, gpus_per_node=gpus_per_node, memory_budget=budget, stages=stages)
     result = _with_memory(result, cap, assignment.strategies, mesh, dev, recompute=recompute, budget=budget,
-                          zero=zero)
+                          zero=zero, regions=regions)
+    if given is not None:
+        result = dataclasses.replace(result, notes=given.notes)
     return cap, assignment.strategies, result
 
 
-def _with_memory(result: Plan, cap, strategies, mesh, dev, *, recompute: str, budget, zero: int) -> Plan:
-    """The plan with its recompute regions and per-stage memory."""
+def _regions_from_plan(cap, plan: Plan) -> list:
+    from autopar.plan import PlanFormatError
+
+    by_name = {n.name: n for n in cap.gm.graph.nodes}
+    for i, region in enumerate(plan.recompute_regions):
+        unknown = [n for n in region if n not in by_name]
+        if unknown:
+            raise PlanFormatError(f"plan.recompute_regions[{i}]: the graph has no node {', '.join(unknown)}")
+    return [[by_name[n] for n in region] for region in plan.recompute_regions]
+
+
+def _with_memory(result: Plan, cap, strategies, mesh, dev, *, recompute: str, budget, zero: int,
+                 regions=None) -> Plan:
+    """The plan with its recompute regions (chosen for ``recompute``, or as given) and per-stage memory."""
     from autopar.memory_plan import choose_recompute, memory_breakdown, regions_for
     from autopar.stage_dp import inflight_microbatches
 
-    if recompute == "auto":
+    if regions is None and recompute == "auto":
         if budget is None:
             raise ValueError("recompute='auto' needs memory_budget= (e.g. '60GiB')")
         regions, _ = choose_recompute(cap, strategies, mesh, dev, zero=zero, budget=budget)
-    else:
+    elif regions is None:
         regions = regions_for(cap, recompute)
     stage_nodes = inflight = None
     if result.stages:

@@ -123,6 +123,14 @@ class Plan:
             Path(path).write_text(text)
         return text
 
+    def to_html(self, path=None) -> str:
+        """The plan as a self-contained HTML page (autopar.plan_html); also written to ``path`` when given."""
+        from autopar.plan_html import render
+        text = render(self)
+        if path is not None:
+            Path(path).write_text(text, encoding="utf-8")
+        return text
+
     @classmethod
     def from_json(cls, path_or_str) -> "Plan":
         """Read a plan from a JSON file path or a JSON string, checking every field's type."""
@@ -137,6 +145,37 @@ class Plan:
         except json.JSONDecodeError as e:
             raise PlanFormatError(f"plan is not valid JSON: {e}") from None
         return _build(cls, data, "plan")
+
+    # ---- comparison --------------------------------------------------------------------
+
+    def diff(self, other: "Plan") -> str:
+        """What differs from ``other``, one line each: settings, parameter placements, node
+        strategies, collectives (count and bytes per place), stages, memory, predicted time.
+        Returns "no differences" when the two plans decide the same things."""
+        out: list[str] = []
+        for f in ("mesh", "input_shapes", "sequence_parallel", "zero", "microbatches", "schedule",
+                  "virtual_stages", "recompute", "device"):
+            a, b = getattr(self, f), getattr(other, f)
+            if a != b:
+                out.append(f"{f}: {a} -> {b}")
+        _diff_keyed(out, "parameter", {p.fqn: p for p in self.parameters}, {p.fqn: p for p in other.parameters},
+                    lambda p: f"tp {p.placements.get('tp')} dp {p.placements.get('dp')} local {list(p.local_shape)}")
+        _diff_keyed(out, "node", {n.name: n for n in self.nodes}, {n.name: n for n in other.nodes},
+                    lambda n: f"({', '.join(n.inputs)}) -> {n.output}" + (f" [{n.local}]" if n.local else ""),
+                    label=lambda n: f"{n.name} in {n.module or 'top level'}")
+        _diff_keyed(out, "collective", _collective_totals(self.collectives), _collective_totals(other.collectives),
+                    lambda c: f"x{c[0]} {c[1] / 2**20:.2f} MiB")
+        _diff_keyed(out, "stage", {s.index: s for s in self.stages}, {s.index: s for s in other.stages},
+                    lambda s: f"pp rank {s.rank}, {s.modules[0]} .. {s.modules[-1]} ({len(s.modules)} modules), "
+                              f"{s.predicted_time_s * 1e3:.3f} ms", same=_close)
+        _diff_keyed(out, "memory of stage", {m.stage: m for m in self.memory}, {m.stage: m for m in other.memory},
+                    lambda m: f"peak {m.peak / 2**30:.3f} GiB (activations {m.activations / 2**30:.3f})", same=_close)
+        if self.recompute_regions != other.recompute_regions:
+            out.append(f"recompute regions: {len(self.recompute_regions)} -> {len(other.recompute_regions)}")
+        if not _close(self.predicted_step_time, other.predicted_step_time):
+            out.append(f"predicted step time: {self.predicted_step_time * 1e3:.3f} ms -> "
+                       f"{other.predicted_step_time * 1e3:.3f} ms")
+        return "\n".join(out) or "no differences"
 
     # ---- text --------------------------------------------------------------------------
 
@@ -178,6 +217,36 @@ class Plan:
                       f"communication {self.predicted_comm_s * 1e3:.3f} ms); solved in {self.solve_seconds:.2f} s"]
         lines += [f"Note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _close(a, b) -> bool:
+    """Equal, with floats (or dataclasses of floats) compared to a relative 1e-9."""
+    if hasattr(a, "__dataclass_fields__"):
+        return all(_close(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__)
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1e-30)
+    return a == b
+
+
+def _diff_keyed(out: list, kind: str, a: dict, b: dict, show, label=str, same=lambda x, y: x == y) -> None:
+    for key in list(a) + [k for k in b if k not in a]:
+        x, y = a.get(key), b.get(key)
+        name = label(x if x is not None else y) if label is not str else str(key)
+        if x is None:
+            out.append(f"{kind} {name}: only in the second plan: {show(y)}")
+        elif y is None:
+            out.append(f"{kind} {name}: only in the first plan: {show(x)}")
+        elif not same(x, y):
+            out.append(f"{kind} {name}: {show(x)} -> {show(y)}")
+
+
+def _collective_totals(colls) -> dict:
+    totals: dict = {}
+    for c in colls:
+        key = f"{c.where or '(top level)'} {c.phase} {c.kind} on {c.axis}"
+        n, b = totals.get(key, (0, 0))
+        totals[key] = (n + c.count, b + c.bytes)
+    return totals
 
 
 def _layer_key(name: str) -> str:

@@ -318,7 +318,7 @@ def build_plan(cap: Captured, assignment: Assignment, mesh, dev, *, sequence_par
     colls = tuple(CollectivePlan(k, axis, ph, w, n, int(b)) for (k, axis, ph, w), (n, b) in agg.items())
     input_shapes = tuple(shape(i) for i in cap.inputs)
     return Plan((mesh.dp, mesh.pp, mesh.tp), input_shapes, bool(sequence_parallel), zero, m, dev.name,
-                tuple(params), nodes, colls, compute, comm, assignment.solve_seconds, source)
+                tuple(params), nodes, colls, compute, comm, solve_seconds=assignment.solve_seconds, source=source)
 
 
 def strategies_from_plan(cap: Captured, options: dict[Node, list[Strategy]], plan) -> dict[Node, Strategy]:
