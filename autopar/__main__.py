@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from autopar.examples.gpt import CONFIGS
 
@@ -30,8 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan a named GPT config offline, on the meta device, and print the plan",
                        description="Plan a GPT from autopar.examples.gpt.CONFIGS on the meta device "
                                    "(no GPU, no process group) and print the plan summary.")
-    p.add_argument("config", metavar="CONFIG", choices=list(CONFIGS),
-                   help=f"model config: {', '.join(CONFIGS)}")
+    p.add_argument("config", metavar="CONFIG_OR_MODULE",
+                   help=f"a model config ({', '.join(CONFIGS)}) or path/to/file.py:factory, a function "
+                        "returning a GPT-style module whose forward(idx, targets) returns the loss "
+                        "(built on the meta device)")
     p.add_argument("--mesh", required=True, help="dp,pp,tp, e.g. 1,1,8, or auto (with --gpus)")
     p.add_argument("--gpus", type=int, help="number of devices, for --mesh auto")
     p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (default 8)")
@@ -50,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", default="auto", choices=["auto", "megatron"],
                    help="auto: the planner decides; megatron: the hand-written plan (default auto)")
     p.add_argument("--out", metavar="PLAN.json", help="also write the plan as JSON to this file")
+    p.add_argument("--html", metavar="PLAN.html", help="also write the self-contained HTML plan view")
     d = sub.add_parser("diff", help="what differs between two plan files (exit 1 if anything does)",
                        description="Compare two plan JSON files: placements, node strategies, collectives, "
                                    "stages, memory and predicted time. Exit status 0 when they decide the "
@@ -59,23 +63,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _model(spec: str):
+    """A named config built on the meta device, or ``path.py:factory`` called on the meta device."""
+    import importlib.util
+
+    import torch
+
+    from autopar.examples.gpt import build
+
+    if spec in CONFIGS:
+        return build(spec, device="meta")
+    path, _, factory = spec.rpartition(":")
+    if not path.endswith(".py") or not factory:
+        raise ValueError(f"{spec!r} is neither a config ({', '.join(CONFIGS)}) nor path/to/file.py:factory")
+    if not Path(path).is_file():
+        raise ValueError(f"{path}: no such file")
+    module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not callable(getattr(module, factory, None)):
+        raise ValueError(f"{path} has no function {factory!r}")
+    with torch.device("meta"):
+        return getattr(module, factory)()
+
+
 def _plan(args) -> int:
     from rich.console import Console
 
     t0 = time.perf_counter()
     console = Console(stderr=True)
     with console.status(f"capturing {args.config} on the meta device and solving for mesh {args.mesh} ..."):
-        import autopar
-        from autopar.examples.gpt import build, example_inputs
+        import torch
 
-        model = build(args.config, device="meta")
-        seq = args.seq or model.config.block_size
+        import autopar
+
+        model = _model(args.config)
+        seq = args.seq or getattr(getattr(model, "config", None), "block_size", None)
+        if seq is None:
+            raise ValueError(f"{args.config}: give --seq (the model has no config.block_size)")
         if args.batch < 1 or seq < 1:
             raise ValueError(f"--batch and --seq must be positive, got batch={args.batch} seq={seq}")
-        if seq > model.config.block_size:
-            raise ValueError(f"--seq {seq} is longer than {args.config}'s block size "
-                             f"{model.config.block_size}")
-        inputs = example_inputs(model.config, args.batch, seq, device="meta")
+        block = getattr(getattr(model, "config", None), "block_size", seq)
+        if seq > block:
+            raise ValueError(f"--seq {seq} is longer than {args.config}'s block size {block}")
+        inputs = tuple(torch.empty(args.batch, seq, dtype=torch.long, device="meta") for _ in range(2))
         plan = autopar.plan(model, args.mesh, inputs, device=args.device, plan=args.plan,
                             sequence_parallel=_SP[args.sequence_parallel], zero=args.zero,
                             world_size=args.gpus, gpus_per_node=args.gpus_per_node, schedule=args.schedule,
@@ -84,6 +115,9 @@ def _plan(args) -> int:
     if args.out:
         plan.to_json(args.out)
         print(f"plan written to {args.out}")
+    if args.html:
+        plan.to_html(args.html)
+        print(f"plan view written to {args.html}")
     print(f"planned {args.config} (batch {args.batch}, seq {seq}) in {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -93,6 +93,8 @@ class Plan:
     predicted_compute_s: float      # with pp > 1: the pipeline step (tp communication and bubble included)
     predicted_comm_s: float         # communication not inside that: tp collectives (pp = 1), dp sync
     solve_seconds: float = 0.0
+    model_flops: float = 0.0        # forward + backward FLOPs of one step, all ranks together
+    peak_flops: float = 0.0         # one device's peak at the model's dtype
     schedule: str = "1F1B"
     virtual_stages: int = 1
     stages: tuple[StagePlan, ...] = ()
@@ -107,6 +109,13 @@ class Plan:
     def predicted_step_time(self) -> float:
         """Seconds per training step: compute plus (unoverlapped) communication."""
         return self.predicted_compute_s + self.predicted_comm_s
+
+    @property
+    def predicted_mfu(self) -> float:
+        """Model FLOPs utilisation the prediction implies: model FLOPs / (step time x peak x devices)."""
+        devices = self.mesh[0] * self.mesh[1] * self.mesh[2]
+        denom = self.predicted_step_time * self.peak_flops * devices
+        return self.model_flops / denom if denom else 0.0
 
     def param(self, fqn: str) -> ParamPlan:
         for p in self.parameters:
@@ -214,7 +223,9 @@ class Plan:
                              f"peak {mem.peak / 2**30:.3f}")
         lines += ["", f"Predicted step time {self.predicted_step_time * 1e3:.3f} ms "
                       f"(compute {self.predicted_compute_s * 1e3:.3f} ms, "
-                      f"communication {self.predicted_comm_s * 1e3:.3f} ms); solved in {self.solve_seconds:.2f} s"]
+                      f"communication {self.predicted_comm_s * 1e3:.3f} ms); solved in {self.solve_seconds:.2f} s",
+                  f"Model FLOPs per step {self.model_flops:.3e}; predicted MFU {self.predicted_mfu:.1%} "
+                  f"of {self.peak_flops / 1e12:.0f} TFLOP/s per device"]
         lines += [f"Note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -317,8 +317,11 @@ def build_plan(cap: Captured, assignment: Assignment, mesh, dev, *, sequence_par
     compute = m * sum(_strategy_time(n, s, tp, dev, tp_inter, False) for n, s in strategies.items())
     colls = tuple(CollectivePlan(k, axis, ph, w, n, int(b)) for (k, axis, ph, w), (n, b) in agg.items())
     input_shapes = tuple(shape(i) for i in cap.inputs)
+    model_flops = m * mesh.dp * sum(sum(node_flops(n)) for n in cap.gm.graph.nodes if n.op == "call_function")
+    dtype = next(iter(cap.params.values())).meta["val"].dtype if cap.params else torch.float32
     return Plan((mesh.dp, mesh.pp, mesh.tp), input_shapes, bool(sequence_parallel), zero, m, dev.name,
-                tuple(params), nodes, colls, compute, comm, solve_seconds=assignment.solve_seconds, source=source)
+                tuple(params), nodes, colls, compute, comm, solve_seconds=assignment.solve_seconds, source=source,
+                model_flops=model_flops, peak_flops=dev.flops(dtype))
 
 
 def strategies_from_plan(cap: Captured, options: dict[Node, list[Strategy]], plan) -> dict[Node, Strategy]:

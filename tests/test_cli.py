@@ -57,3 +57,17 @@ def test_demo_trains_and_prints_plan_and_losses(tmp_path):
     assert first == float(steps[0][1]) and last == float(steps[-1][1])
     assert last < first                                   # three AdamW steps on a fixed batch
     assert (tmp_path / "plan.json").exists()
+
+
+def test_plan_a_user_module_with_html(tmp_path):
+    """`plan path.py:factory` builds the user's model on the meta device; --html writes the view."""
+    src = tmp_path / "mymodel.py"
+    src.write_text("from autopar.examples.gpt import GPT, GPTConfig\n"
+                   "def make():\n"
+                   "    return GPT(GPTConfig(vocab_size=1000, block_size=256, n_layer=3, n_head=8, n_embd=256))\n")
+    html = tmp_path / "plan.html"
+    r = _autopar("plan", f"{src}:make", "--mesh", "1,1,4", "--batch", "8", "--html", str(html))
+    assert r.returncode == 0, r.stderr
+    assert "predicted MFU" in r.stdout and html.read_text().startswith("<!DOCTYPE html>")
+    r = _autopar("plan", f"{src}:missing", "--mesh", "1,1,4")
+    assert r.returncode == 2 and "has no function 'missing'" in r.stderr
