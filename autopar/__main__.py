@@ -54,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: the planner decides; megatron: the hand-written plan (default auto)")
     p.add_argument("--out", metavar="PLAN.json", help="also write the plan as JSON to this file")
     p.add_argument("--html", metavar="PLAN.html", help="also write the self-contained HTML plan view")
+    c = sub.add_parser("compare", help="the automatic plan, plan=megatron and the hand-written baseline, "
+                                       "trained side by side on CPU ranks",
+                       description="Train the example GPT with the automatic plan, plan='megatron' and the "
+                                   "hand-written DTensor baseline on the same data (gloo ranks on this machine) "
+                                   "and print losses, collectives per step, memory, step time and setup time.")
+    c.add_argument("--mesh", default="1,1,2", help="dp,pp,tp (pp must be 1: the baseline has no pipeline)")
+    c.add_argument("--steps", type=int, default=5)
+    c.add_argument("--sequence-parallel", default="on", choices=["on", "off"])
     d = sub.add_parser("diff", help="what differs between two plan files (exit 1 if anything does)",
                        description="Compare two plan JSON files: placements, node strategies, collectives, "
                                    "stages, memory and predicted time. Exit status 0 when they decide the "
@@ -129,6 +137,15 @@ def main(argv=None) -> int:
         return demo.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "compare":
+            from autopar.compare import compare, table
+            from autopar.mesh import Mesh
+            mesh = Mesh.parse(args.mesh)
+            if mesh.pp != 1:
+                raise ValueError("compare runs pp=1 meshes: the hand-written baseline has no pipeline")
+            print(table(compare((mesh.dp, mesh.pp, mesh.tp), args.steps,
+                                sequence_parallel=args.sequence_parallel == "on")))
+            return 0
         if args.command == "diff":
             from autopar.plan import Plan
             text = Plan.from_json(args.a).diff(Plan.from_json(args.b))
