@@ -5,6 +5,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -104,12 +105,41 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
     options = _microbatch_options(mesh, example_inputs[0].shape[0], schedule, microbatches)
     if isinstance(plan, Plan):
         options = [plan.microbatches]
+    cap, strategies, best = _decide(model, mesh, example_inputs, microbatches=max(options), **knobs)
     if len(options) > 1:
-        cap, strategies, best = min((_decide(model, mesh, example_inputs, microbatches=m, **knobs)
-                                     for m in options), key=lambda r: r[2].predicted_step_time)
-    else:
-        cap, strategies, best = _decide(model, mesh, example_inputs, microbatches=options[0], **knobs)
+        m = _best_microbatches(cap, strategies, best, mesh, options, knobs)
+        if m != best.microbatches:
+            cap, strategies, best = _decide(model, mesh, example_inputs, microbatches=m, **knobs)
     return cap, strategies, dataclasses.replace(best, notes=best.notes + notes) if notes else best
+
+
+def _best_microbatches(cap, strategies, planned: Plan, mesh: Mesh, options: list[int], knobs: dict) -> int:
+    """The microbatch count with the lowest predicted step time, from one plan at the most microbatches.
+
+    Per-unit compute, activations and point-to-point bytes scale with the microbatch size; the
+    per-op launch overhead does not. Counts whose stages cannot fit the memory budget are skipped."""
+    from autopar.pipeline import OP_OVERHEAD, layer_units, unit_costs
+    from autopar.stage_dp import cut_stages
+
+    dev = get_device(knobs["device"])
+    units = layer_units(cap)
+    time, static, act, boundary = unit_costs(cap, strategies, units, mesh, dev, zero=knobs["zero"],
+                                             gpus_per_node=knobs["gpus_per_node"], microbatches=planned.microbatches)
+    overhead = OP_OVERHEAD * np.array([len(u.nodes) for u in units])
+    budget = parse_bytes(knobs["memory_budget"])
+    budget = dev.memory_bytes if budget is None else budget
+    best, best_time = planned.microbatches, planned.predicted_step_time
+    for m in options:
+        grow = planned.microbatches / m   # how much larger each microbatch is
+        try:
+            cut = cut_stages((time - overhead) * grow + overhead, static, act * grow, boundary * grow, p=mesh.pp, m=m,
+                             v=_virtual(knobs["schedule"], knobs["virtual_stages"]), schedule=knobs["schedule"],
+                             memory_budget=budget)
+        except ValueError:
+            continue
+        if cut.step_time < best_time:
+            best, best_time = m, cut.step_time
+    return best
 
 
 def _auto_mesh(model, example_inputs, world_size, **kw):
