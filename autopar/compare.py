@@ -60,9 +60,10 @@ def _contender(rank, world, name, mesh, steps, cfg, batch, seq, sp):
         dmesh = init_device_mesh("cpu", (mesh[0], mesh[2]), mesh_dim_names=("dp", "tp"))
         model = hw.parallelize_by_hand(model, dmesh, sequence_parallel=sp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        local = hw.local_batch_by_hand(dmesh, idx, tgt)
 
         def step():
-            return float(hw.train_step_by_hand(model, idx, tgt))
+            return float(hw.train_step_by_hand(model, *local))
     else:
         pm = autopar.parallelize(model, mesh, (idx, tgt), plan=name, sequence_parallel=sp, compile=False)
         opt = pm.optimizer(torch.optim.AdamW, lr=1e-3)
