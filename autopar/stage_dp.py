@@ -289,6 +289,17 @@ def _stage_masks(pre, f, budget):
     return out
 
 
+def _backtrack(args, n: int, S: int) -> tuple[tuple[int, int], ...]:
+    """Stage bounds from a DP's argmin tables: args[s - 1][e] is where stage s starts if it ends at e."""
+    bounds, e = [], n
+    for s in range(S - 1, 0, -1):
+        b = int(args[s - 1][e])
+        bounds.append((b, e))
+        e = b
+    bounds.append((0, e))
+    return tuple(reversed(bounds))
+
+
 def _dp_min_sum(base, n, B):
     """min sum_s T_s with every stage allowed and T_s <= B; returns (value, bounds) or (inf, None)."""
     S = base.shape[0]
@@ -304,13 +315,7 @@ def _dp_min_sum(base, n, B):
     val = cur[n]
     if not np.isfinite(val):
         return np.inf, None
-    bounds, e = [], n
-    for s in range(S - 1, 0, -1):
-        b = int(args[s - 1][e])
-        bounds.append((b, e))
-        e = b
-    bounds.append((0, e))
-    return float(val), tuple(reversed(bounds))
+    return float(val), _backtrack(args, n, S)
 
 
 def _search_v1(pre, f, budget, m):
@@ -360,13 +365,7 @@ def _min_peak_v1(pre, f):
         arg = tot.argmin(axis=0)
         cur = tot[arg, cols]
         args.append(arg)
-    bounds, e = [], n
-    for s in range(S - 1, 0, -1):
-        b = int(args[s - 1][e])
-        bounds.append((b, e))
-        e = b
-    bounds.append((0, e))
-    return float(cur[n]), tuple(reversed(bounds))
+    return float(cur[n]), _backtrack(args, n, S)
 
 
 # --------------------------------------------------------------------------- v > 1: branch and bound
