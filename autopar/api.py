@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from autopar.cost_model import get_device
 from autopar.megatron import megatron_options
-from autopar.mesh import Mesh, default_device_type, device_mesh, group_name
+from autopar.mesh import Mesh, default_device_type, device_mesh
 from autopar.passes.capture import Captured, capture_pass
 from autopar.plan import Plan
 from autopar.planner import (Assignment, PlanError, build_plan, check_tp, enumerate_strategies, solve,

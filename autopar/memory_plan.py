@@ -9,7 +9,6 @@ the blocks, ``autopar.ilp``), or says the smallest peak any choice reaches.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from autopar.cost_model.memory import activation_bytes, attention_core, backward_transient
 from autopar.ilp import InfeasibleError, solve_strategies

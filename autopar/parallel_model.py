@@ -6,7 +6,6 @@ import hashlib
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map
 
 from autopar import collectives as C
 from autopar.mesh import group_name

@@ -479,7 +479,7 @@ class _BB:
 
     def bound(self, s, e, R, M, mt):
         """Lower bound after stages 0..s-1 (the last ends at unit e); inf if ruled out."""
-        n, p, k = self.n, self.p, self.S - s
+        p, k = self.p, self.S - s
         if k == 0:
             return self.m * max(R) + (p - 1) * mt if self.mode == "time" else max(M)
         openr = self.open[s]

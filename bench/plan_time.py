@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import autopar
 from autopar.examples.gpt import build, example_inputs
 from autopar.api import decide
 

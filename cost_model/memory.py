@@ -21,7 +21,7 @@ import math
 import torch
 from torch.fx import Node
 
-from autopar.placement import Replicate, Shard, local_shape
+from autopar.placement import local_shape
 
 aten = torch.ops.aten
 

@@ -7,7 +7,6 @@ survives compilation; no FX metadata has to outlive a re-trace.
 """
 from __future__ import annotations
 
-import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.utils.checkpoint import checkpoint
 

@@ -17,7 +17,6 @@ exactly the freedom to shard "seq" dims.
 """
 from __future__ import annotations
 
-import math
 import operator
 import warnings
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
-from autopar.placement import P, R, Partial, Placement, Replicate, Shard
+from autopar.placement import P, R, Placement, Shard
 
 aten = torch.ops.aten
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.examples.gpt import GPTConfig, GPT, build, example_inputs
+from autopar.examples.gpt import GPT, example_inputs
 from autopar.launch import RankError, spawn
 from parity import BATCH, SEQ, TINY, make_model
 
