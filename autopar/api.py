@@ -124,7 +124,7 @@ def _best_microbatches(cap, strategies, planned: Plan, mesh: Mesh, options: list
     dev = get_device(knobs["device"])
     units = layer_units(cap)
     time, static, act, boundary = unit_costs(cap, strategies, units, mesh, dev, zero=knobs["zero"],
-                                             gpus_per_node=knobs["gpus_per_node"], microbatches=planned.microbatches)
+                                             gpus_per_node=knobs["gpus_per_node"])
     overhead = OP_OVERHEAD * np.array([len(u.nodes) for u in units])
     budget = parse_bytes(knobs["memory_budget"])
     budget = dev.memory_bytes if budget is None else budget
@@ -248,8 +248,7 @@ def _with_stages(result: Plan, cap, strategies, mesh, dev, *, schedule, virtual,
     from autopar.plan import StagePlan
 
     units = layer_units(cap)
-    costs = unit_costs(cap, strategies, units, mesh, dev, zero=zero, gpus_per_node=gpus_per_node,
-                       microbatches=result.microbatches)
+    costs = unit_costs(cap, strategies, units, mesh, dev, zero=zero, gpus_per_node=gpus_per_node)
     cut = choose_cut(costs, units, mesh, schedule=schedule, microbatches=result.microbatches, virtual=virtual,
                      memory_budget=memory_budget if memory_budget is not None else dev.memory_bytes, stages=stages)
     stage_plans = tuple(StagePlan(s, s % mesh.pp, tuple(m for u in units[a:b] for m in u.modules),

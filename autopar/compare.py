@@ -18,7 +18,6 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_FACTOR = {"all_gather_into_tensor": "group", "allgather_into_tensor_coalesced": "group"}
 COLLECTIVES = {"all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
                "_allgather_base_": "all_gather", "allgather_": "all_gather",
                "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",

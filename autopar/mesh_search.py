@@ -56,8 +56,7 @@ def rank_meshes(model, world_size: int, example_inputs, *, device="h100", gpus_p
             if pp > 1 and m < pp:
                 continue
             mesh = Mesh(dp, pp, tp)
-            costs = unit_costs(cap, strategies, units, mesh, dev, zero=zero, gpus_per_node=gpus_per_node,
-                               microbatches=m)
+            costs = unit_costs(cap, strategies, units, mesh, dev, zero=zero, gpus_per_node=gpus_per_node)
             out.append(_evaluate(mesh, m, costs, dev, budget, schedule, zero, gpus_per_node))
     if not out:
         raise PlanError(f"no (dp, pp, tp) for {world_size} devices suits this model and a batch of {batch}")

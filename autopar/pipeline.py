@@ -60,7 +60,7 @@ def layer_units(cap: Captured) -> list[Unit]:
 
 
 def unit_costs(cap: Captured, strategies: dict, units: list[Unit], mesh, dev, *, zero: int,
-               gpus_per_node: int, microbatches: int):
+               gpus_per_node: int):
     """Per unit per microbatch: seconds (fwd+bwd), static bytes, activation bytes; and the
     point-to-point seconds of a cut after each unit."""
     tp = mesh.tp

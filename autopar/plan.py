@@ -7,6 +7,7 @@ exactly as written; ``autopar.planner.strategies_from_plan`` checks it against t
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -261,7 +262,6 @@ def _collective_totals(colls) -> dict:
 
 
 def _layer_key(name: str) -> str:
-    import re
     return re.sub(r"\.(\d+)\.", ".*.", name, count=1)
 
 

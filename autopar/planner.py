@@ -24,6 +24,7 @@ import torch
 from torch.fx import Node
 
 from autopar.cost_model import collective_time, compute_time, node_bytes, node_flops
+from autopar.cost_model.memory import VIEW_OPS
 from autopar.ilp import solve_strategies
 from autopar.passes.capture import Captured
 from autopar.passes.reshard import ReshardError, regathers, reshard_steps, step_collectives
@@ -31,9 +32,6 @@ from autopar.passes.rules import POINTWISE, RuleContext, Strategy, dim_labels, i
 from autopar.placement import R, Placement, Shard
 
 aten = torch.ops.aten
-_FREE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
-         aten.permute.default, aten.t.default, aten.split.Tensor, aten.split_with_sizes.default,
-         aten.chunk.default, aten.alias.default, aten.detach.default}
 
 
 # Fixed host-side cost of issuing one collective (kernel launch, stream sync). Besides being
@@ -211,7 +209,7 @@ def _edge_matrix(producer: Node, consumer: Node, slot: int, options, tp, dev, in
 
 
 def _strategy_time(node: Node, s: Strategy, tp: int, dev, inter_node: bool, with_comm: bool = True) -> float:
-    if node.op != "call_function" or node.target in _FREE:
+    if node.op != "call_function" or node.target in VIEW_OPS:
         return 0.0
     fwd, bwd = node_flops(node)   # cached by the cost model per op signature
     flops = fwd + bwd

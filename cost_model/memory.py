@@ -17,6 +17,7 @@ token, fp32), i.e. sbh(36 + 4a/h) per layer without parallelism.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch.fx import Node
@@ -25,10 +26,11 @@ from autopar.placement import local_shape
 
 aten = torch.ops.aten
 
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
-          aten.permute.default, aten.t.default, aten.split.Tensor, aten.split_with_sizes.default,
-          aten.chunk.default, aten.alias.default, aten.expand.default, aten.slice.Tensor,
-          aten.unsqueeze.default, aten.squeeze.dim, aten.detach.default}
+# ops whose output aliases their input: free to run, and they keep no storage of their own
+VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
+            aten.permute.default, aten.t.default, aten.split.Tensor, aten.split_with_sizes.default,
+            aten.chunk.default, aten.alias.default, aten.expand.default, aten.slice.Tensor,
+            aten.unsqueeze.default, aten.squeeze.dim, aten.detach.default}
 
 # op -> what it keeps: ("in", k) input k, ("out",) its output, ("mask",) a bool of the output's
 # shape, ("stats", k) k fp32 numbers per normalised row, ("lse",) fp32 per (batch, head, query)
@@ -56,7 +58,7 @@ SAVES = {
 
 def base_of(node: Node) -> Node:
     """The node whose storage ``node`` views (a dropout that drops nothing is its input)."""
-    while node.op == "call_function" and (node.target in _VIEWS | {__import__("operator").getitem}
+    while node.op == "call_function" and (node.target in VIEW_OPS | {operator.getitem}
                                           or node.target is aten.dropout.default and not _drops(node)):
         node = node.args[0]
     return node

@@ -7,6 +7,8 @@ survives compilation; no FX metadata has to outlive a re-trace.
 """
 from __future__ import annotations
 
+import operator
+
 from torch.fx import Graph, GraphModule, Node
 from torch.utils.checkpoint import checkpoint
 
@@ -52,7 +54,7 @@ def _wrap(gm: GraphModule, members: list[Node], name: str) -> None:
         call = gm.graph.call_function(run_checkpointed, (fn, *ins))
         call.meta["origin"] = fn.meta["origin"] = origin
         for i, n in enumerate(outs):
-            got = gm.graph.call_function(__import__("operator").getitem, (call, i))
+            got = gm.graph.call_function(operator.getitem, (call, i))
             got.meta.update({k: v for k, v in n.meta.items() if k in ("val", "module_path", "origin")})
             n.replace_all_uses_with(got, delete_user_cb=lambda u: u not in inside)
     for n in reversed(members):
