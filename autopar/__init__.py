@@ -5,6 +5,8 @@
     print(pm.plan.summary())
 """
 from autopar.api import parallelize, plan
+from autopar.determinism import set_deterministic
+from autopar.flops_report import FlopsReport, flops_report, report_table
 from autopar.mesh import Mesh
 from autopar.parallel_model import ParallelModel
 from autopar.placement import Partial, Replicate, Shard
@@ -12,4 +14,5 @@ from autopar.plan import Plan, PlanFormatError
 from autopar.planner import PlanError
 
 __all__ = ["parallelize", "plan", "Mesh", "Plan", "ParallelModel", "PlanError", "PlanFormatError",
-           "Shard", "Replicate", "Partial"]
+           "Shard", "Replicate", "Partial", "set_deterministic",
+           "flops_report", "FlopsReport", "report_table"]

@@ -2,6 +2,8 @@
 
     python -m autopar demo [--mesh 1,1,2 --steps 20 ...]     plan and train the example GPT on CPU ranks
     python -m autopar plan gpt2 --mesh 1,1,4 --batch 8       plan offline (meta device) and print the plan
+    python -m autopar calibrate --quick --out dev.json      measure this machine into a device profile
+    python -m autopar flops gpt2 --mesh 1,2,4 --step-time 0.5  parameters and FLOPs per module and per rank, MFU
 
 Errors autopar reports (a mesh the model cannot use, a malformed plan, a feature not built yet)
 are printed as one line on stderr, and the exit status is 2.
@@ -68,6 +70,39 @@ def build_parser() -> argparse.ArgumentParser:
                                    "same things, 1 when they differ (as diff(1)).")
     d.add_argument("a", metavar="A.json")
     d.add_argument("b", metavar="B.json")
+    k = sub.add_parser("calibrate", help="measure this machine (matmuls, memory, launches, collectives) into a "
+                                         "device profile for --device",
+                       description="Measure matmul throughput per shape and dtype, memory bandwidth, kernel launch "
+                                   "overhead and, under torchrun with several ranks, collective latency and "
+                                   "bandwidth per mesh axis; write a device profile JSON that `plan --device` and "
+                                   "autopar.plan(device=...) price with.")
+    k.add_argument("--out", default="device.json", metavar="PROFILE.json", help="where to write it (default device.json)")
+    k.add_argument("--quick", action="store_true", help="fewer shapes and repetitions: about 60 s on a GPU, 30 s on CPU")
+    k.add_argument("--base", help="preset for what is not measured (data-sheet peaks, the other network tier); "
+                                  "default: guessed from the GPU name, cpu without one")
+    k.add_argument("--mesh", help="dp,pp,tp whose axes get collective measurements under torchrun "
+                                  "(default: every rank on tp)")
+    k.add_argument("--name", help="the profile's device name (default: the device's name, 'measured')")
+    f = sub.add_parser("flops", help="parameters and FLOPs per module and per rank of a plan, and MFU",
+                       description="Plan a model on the meta device (no GPU, no process group) and report, "
+                                   "DeepSpeed flops-profiler style, its parameters and forward/backward FLOPs "
+                                   "per module, what each (pp, tp) rank holds and executes, and the MFU of a "
+                                   "measured step time.")
+    f.add_argument("config", metavar="CONFIG_OR_MODULE",
+                   help=f"a model config ({', '.join(CONFIGS)}) or path/to/file.py:factory (as for plan)")
+    f.add_argument("--mesh", required=True, help="dp,pp,tp, e.g. 1,2,4")
+    f.add_argument("--step-time", type=float, metavar="S", help="measured seconds per training step, for MFU")
+    f.add_argument("--device", default="h100", help="device whose peak MFU is measured against: a preset "
+                                                    "(e.g. h100, h200, a100) or a JSON profile (default h100)")
+    f.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
+    f.add_argument("--seq", type=int, help="sequence length (default: the config's block size)")
+    f.add_argument("--plan", default="auto", help="auto, megatron or a plan JSON file (default auto)")
+    f.add_argument("--microbatches", type=int, help="microbatches per step (default: the cost model's choice)")
+    f.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                   help="recompute regions, counted in hardware FLOPs (default none)")
+    f.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="compute dtype, whose peak MFU divides by (default fp32)")
+    f.add_argument("--depth", type=int, default=3, help="module tree depth to show (default 3)")
     return parser
 
 
@@ -95,26 +130,48 @@ def _model(spec: str):
         return getattr(module, factory)()
 
 
+def _inputs(args, model):
+    """(idx, targets) on the meta device for --batch and --seq (default: the model's block size), and seq."""
+    import torch
+
+    seq = args.seq or getattr(getattr(model, "config", None), "block_size", None)
+    if seq is None:
+        raise ValueError(f"{args.config}: give --seq (the model has no config.block_size)")
+    if args.batch < 1 or seq < 1:
+        raise ValueError(f"--batch and --seq must be positive, got batch={args.batch} seq={seq}")
+    block = getattr(getattr(model, "config", None), "block_size", seq)
+    if seq > block:
+        raise ValueError(f"--seq {seq} is longer than {args.config}'s block size {block}")
+    return tuple(torch.empty(args.batch, seq, dtype=torch.long, device="meta") for _ in range(2)), seq
+
+
+def _flops(args) -> int:
+    from rich.console import Console
+
+    from autopar.flops_report import flops_report, report_table
+
+    t0 = time.perf_counter()
+    with Console(stderr=True).status(f"capturing {args.config} on the meta device and planning mesh {args.mesh} ..."):
+        model = _model(args.config)
+        inputs, seq = _inputs(args, model)
+        report = flops_report(model, args.mesh, inputs, plan=args.plan, step_time=args.step_time,
+                              device=args.device, microbatches=args.microbatches, recompute=args.recompute,
+                              precision=args.precision)
+    print(report_table(report, depth=args.depth), end="")
+    print(f"counted {args.config} (batch {args.batch}, seq {seq}) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def _plan(args) -> int:
     from rich.console import Console
 
     t0 = time.perf_counter()
     console = Console(stderr=True)
     with console.status(f"capturing {args.config} on the meta device and solving for mesh {args.mesh} ..."):
-        import torch
-
         import autopar
 
         model = _model(args.config)
-        seq = args.seq or getattr(getattr(model, "config", None), "block_size", None)
-        if seq is None:
-            raise ValueError(f"{args.config}: give --seq (the model has no config.block_size)")
-        if args.batch < 1 or seq < 1:
-            raise ValueError(f"--batch and --seq must be positive, got batch={args.batch} seq={seq}")
-        block = getattr(getattr(model, "config", None), "block_size", seq)
-        if seq > block:
-            raise ValueError(f"--seq {seq} is longer than {args.config}'s block size {block}")
-        inputs = tuple(torch.empty(args.batch, seq, dtype=torch.long, device="meta") for _ in range(2))
+        inputs, seq = _inputs(args, model)
         plan = autopar.plan(model, args.mesh, inputs, device=args.device, plan=args.plan,
                             sequence_parallel=_SP[args.sequence_parallel], zero=args.zero,
                             world_size=args.gpus, gpus_per_node=args.gpus_per_node, schedule=args.schedule,
@@ -127,6 +184,30 @@ def _plan(args) -> int:
         plan.to_html(args.html)
         print(f"plan view written to {args.html}")
     print(f"planned {args.config} (batch {args.batch}, seq {seq}) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _calibrate(args) -> int:
+    import os
+
+    import torch.distributed as dist
+
+    from autopar.cost_model.calibrate import calibrate, summary, write_profile
+    from autopar.mesh import Mesh
+
+    mesh = Mesh.parse(args.mesh) if args.mesh else None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:   # started by torchrun: measure the collectives too
+        from autopar.launch import init_distributed
+        init_distributed()
+    lead = not dist.is_initialized() or dist.get_rank() == 0
+    spec, record = calibrate(quick=args.quick, base=args.base, name=args.name,
+                             mesh=(mesh.dp, mesh.pp, mesh.tp) if mesh else None,
+                             log=print if lead else (lambda line: None))
+    if lead:
+        write_profile(spec, record, args.out)
+        print(summary(spec))
+        print(f"profile written to {args.out} in {record['seconds']:.1f} s; use it with "
+              f"`python -m autopar plan CONFIG --device {args.out}`")
     return 0
 
 
@@ -146,11 +227,15 @@ def main(argv=None) -> int:
             print(table(compare((mesh.dp, mesh.pp, mesh.tp), args.steps,
                                 sequence_parallel=args.sequence_parallel == "on")))
             return 0
+        if args.command == "calibrate":
+            return _calibrate(args)
         if args.command == "diff":
             from autopar.plan import Plan
             text = Plan.from_json(args.a).diff(Plan.from_json(args.b))
             print(text)
             return 0 if text == "no differences" else 1
+        if args.command == "flops":
+            return _flops(args)
         return _plan(args)
     except (ValueError, NotImplementedError) as e:   # PlanError and PlanFormatError are ValueErrors
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

@@ -15,8 +15,9 @@ from autopar.mesh import Mesh, default_device_type, device_mesh
 from autopar.passes.capture import Captured, capture_pass
 from autopar.plan import Plan
 from autopar.planner import (Assignment, PlanError, build_plan, check_tp, enumerate_strategies, solve,
-                             strategies_from_plan)
+                             strategies_from_plan, with_regather)
 from autopar.placement import Shard
+from autopar.precision import compute_dtype, retype_pass, working_copy_ratio
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -85,23 +86,33 @@ def _microbatch_options(mesh: Mesh, batch: int, schedule: str, microbatches) -> 
 
 def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto", recompute="none",
            memory_budget=None, schedule="1F1B", microbatches=None, zero=0, device="h100",
-           gpus_per_node=8, stages=None, virtual_stages=None, world_size=None) -> tuple[Captured, dict, Plan]:
+           gpus_per_node=8, stages=None, virtual_stages=None, world_size=None,
+           precision="fp32") -> tuple[Captured, dict, Plan]:
     """Capture and plan: the graph, the strategy per node and the Plan (no process group needed).
 
     With pp > 1 and no ``microbatches``, every count the schedule can take is planned and
     the one with the lowest predicted step time is kept. ``mesh="auto"`` needs ``world_size``:
     every valid (dp, pp, tp) is ranked first (``autopar.mesh_search``) and the best one planned."""
     notes = ()
+    compute_dtype(precision)   # an unknown precision fails before any planning
+    captures: dict = {}
+
+    def capture(inputs) -> Captured:   # the mesh search and the plan often trace the same shapes
+        key = tuple((tuple(x.shape), x.dtype) for x in inputs)
+        if key not in captures:
+            captures[key] = capture_pass(model, inputs)
+        return captures[key]
+
     if isinstance(mesh, str) and mesh == "auto":
-        mesh, microbatches, notes = _auto_mesh(model, example_inputs, world_size, device=device,
+        mesh, microbatches, notes = _auto_mesh(model, example_inputs, world_size, device=device, capture=capture,
                                                gpus_per_node=gpus_per_node, schedule=schedule, zero=zero,
-                                               sequence_parallel=sequence_parallel,
+                                               sequence_parallel=sequence_parallel, precision=precision,
                                                memory_budget=parse_bytes(memory_budget))
     mesh = Mesh.parse(mesh)
     _check_knobs(mesh, recompute, schedule, zero, sequence_parallel)
     knobs = dict(plan=plan, sequence_parallel=sequence_parallel, memory_budget=memory_budget,
                  schedule=schedule, zero=zero, device=device, gpus_per_node=gpus_per_node, stages=stages,
-                 virtual_stages=virtual_stages, recompute=recompute)
+                 virtual_stages=virtual_stages, recompute=recompute, precision=precision, capture=capture)
     options = _microbatch_options(mesh, example_inputs[0].shape[0], schedule, microbatches)
     if isinstance(plan, Plan):
         options = [plan.microbatches]
@@ -159,11 +170,11 @@ def _auto_mesh(model, example_inputs, world_size, **kw):
 
 
 def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budget, schedule, microbatches,
-            zero, device, gpus_per_node, stages, virtual_stages, recompute):
+            zero, device, gpus_per_node, stages, virtual_stages, recompute, precision, capture):
     m = microbatches
     v = _virtual(schedule, virtual_stages)
     dev = get_device(device)
-    cap = capture_pass(model, _local_inputs(example_inputs, mesh, m))
+    cap = capture(_local_inputs(example_inputs, mesh, m))
     check_tp(cap, mesh.tp)
     options = enumerate_strategies(cap, mesh.tp, sequence_parallel)
     if isinstance(plan, str) and plan not in ("auto", "megatron"):
@@ -171,6 +182,8 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
             raise ValueError(f"plan={plan!r}: expected 'auto', 'megatron', a Plan or a plan JSON path")
         plan = Plan.from_json(plan)
     given = plan if isinstance(plan, Plan) else None
+    precision = given.precision if given is not None else precision
+    retype_pass(cap, precision)   # price compute, activations and collectives at the compute dtype
     regions = None
     if given is not None:   # run as written: re-derive its collectives, times and memory from its choices
         if tuple(given.mesh) != (mesh.dp, mesh.pp, mesh.tp):
@@ -193,16 +206,33 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
     budget = parse_bytes(memory_budget)
     sp = any(isinstance(s.output, Shard) and n.target is torch.ops.aten.layer_norm.default
              for n, s in assignment.strategies.items())
-    result = build_plan(cap, assignment, mesh, dev, sequence_parallel=sp, zero=zero, microbatches=m,
-                        source=plan, gpus_per_node=gpus_per_node)
-    if mesh.pp > 1:
-        result = _with_stages(result, cap, assignment.strategies, mesh, dev, schedule=schedule, virtual=v,
-                              zero=zero, gpus_per_node=gpus_per_node, memory_budget=budget, stages=stages)
-    result = _with_memory(result, cap, assignment.strategies, mesh, dev, recompute=recompute, budget=budget,
-                          zero=zero, regions=regions)
+
+    def finish(assignment, recompute):
+        result = build_plan(cap, assignment, mesh, dev, sequence_parallel=sp, zero=zero, microbatches=m,
+                            source=plan, gpus_per_node=gpus_per_node)
+        if mesh.pp > 1:
+            result = _with_stages(result, cap, assignment.strategies, mesh, dev, schedule=schedule, virtual=v,
+                                  zero=zero, gpus_per_node=gpus_per_node, memory_budget=budget, stages=stages)
+        return _with_memory(result, cap, assignment.strategies, mesh, dev, recompute=recompute, budget=budget,
+                            zero=zero, regions=regions)
+
+    if given is None and sp and budget is not None and _over(lambda: finish(assignment, "none"), budget):
+        # Megatron's storage rule before any recompute: an all-gather is cheaper than a forward
+        assignment = dataclasses.replace(assignment, strategies=with_regather(assignment.strategies))
+    result = finish(assignment, recompute)
     if given is not None:
         result = dataclasses.replace(result, notes=given.notes)
+    result = dataclasses.replace(result, precision=precision, peak_flops=dev.flops(compute_dtype(precision)))
     return cap, assignment.strategies, result
+
+
+def _over(make_plan, budget: float) -> bool:
+    """Whether the plan ``make_plan()`` builds misses the memory budget (or no cut fits it)."""
+    try:
+        result = make_plan()
+    except PlanError:
+        return True
+    return max(m.peak for m in result.memory) > budget
 
 
 def _regions_from_plan(cap, plan: Plan) -> list:
@@ -256,7 +286,7 @@ def _with_stages(result: Plan, cap, strategies, mesh, dev, *, schedule, virtual,
                         for s, (a, b) in enumerate(cut.bounds))
     static = costs[1]
     rank_params = max(sum(static[a:b].sum() for s, (a, b) in enumerate(cut.bounds) if s % mesh.pp == r)
-                      for r in range(mesh.pp)) / state_bytes_per_param_byte(mesh, zero)
+                      for r in range(mesh.pp)) / state_bytes_per_param_byte(mesh, zero, working_copy_ratio(cap))
     return dataclasses.replace(result, schedule=schedule, virtual_stages=virtual, stages=stage_plans,
                                predicted_compute_s=float(cut.step_time),
                                predicted_comm_s=dp_sync_time(rank_params, mesh, dev, zero, gpus_per_node))
@@ -267,7 +297,7 @@ def plan(model, mesh, example_inputs, *, device="h100", gpus_per_node=8, world_s
 
     ``mesh`` is (dp, pp, tp) or "auto" (then ``world_size`` devices are ranked; the ranking
     is in the plan's notes). ``knobs`` are parallelize's: plan, sequence_parallel, recompute,
-    memory_budget, schedule, microbatches, zero, stages, virtual_stages."""
+    memory_budget, schedule, microbatches, zero, stages, virtual_stages, precision."""
     return decide(model, mesh, example_inputs, device=device, gpus_per_node=gpus_per_node, world_size=world_size,
                   **knobs)[2]
 
@@ -280,7 +310,7 @@ def _default_device() -> str:
 
 def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto", recompute="none",
                 memory_budget=None, schedule="1F1B", microbatches=None, zero=0, compile=True,
-                device=None, stages=None, virtual_stages=None):
+                device=None, stages=None, virtual_stages=None, precision="fp32"):
     """Plan ``model`` for ``mesh`` and build this rank's parallel program.
 
     Call it on every rank of an initialised process group (``torchrun``, or
@@ -290,7 +320,10 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
     another torch.compile backend (e.g. "aot_eager"), False runs the rewritten graph eagerly.
     ``device``: the cost model's device preset or profile (default: this machine's kind).
     ``stages``: with pp > 1, module FQNs per stage to override the cost model's cut.
-    ``virtual_stages``: stages per pipeline rank (interleaved schedules; default 2 there)."""
+    ``virtual_stages``: stages per pipeline rank (interleaved schedules; default 2 there).
+    ``precision``: "fp32"; "bf16" (bf16 compute on fp32 master weights, every gradient and
+    partial-sum reduction in fp32, fp32 loss); "fp16" (the same at fp16, with dynamic loss
+    scaling). A given plan runs at its own precision (``autopar.precision``)."""
     from autopar.launch import init_distributed
     from autopar.parallel_model import ParallelModel
 
@@ -306,7 +339,7 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
                              f"launch {mesh_.world_size} processes or change the mesh")
     knobs = dict(sequence_parallel=sequence_parallel, recompute=recompute, memory_budget=memory_budget,
                  schedule=schedule, microbatches=microbatches, zero=zero, device=device or _default_device(),
-                 stages=stages, virtual_stages=virtual_stages)
+                 stages=stages, virtual_stages=virtual_stages, precision=precision)
     box = [None]
     if dist.get_rank() == 0:
         try:

@@ -15,6 +15,10 @@ them. Arguments are plain strings and ints (group name, group size, rank in grou
 so the rewritten FX graph prints and pickles. Uneven dims are padded to a multiple
 of the group size on the way in and narrowed back to ``full`` on the way out.
 
+Sums run in fp32: an all-reduce or reduce-scatter of a bf16 or fp16 tensor (forward, or a
+backward's gradient) upcasts it first and casts the sum back, so partial sums do not
+each lose the bits a 16-bit mantissa cannot hold. Gathers move the tensor as it is.
+
 Version note: the raw ``_c10d_functional`` op names used here (all_reduce,
 all_gather_into_tensor, reduce_scatter_tensor, wait_tensor) are the same in torch
 2.11-2.14; the Python-level wrappers in ``_functional_collectives`` were renamed
@@ -30,8 +34,27 @@ from autopar.placement import take_shard
 _ops = torch.ops._c10d_functional
 
 
+_SUM_IN_FP32 = (torch.bfloat16, torch.float16)
+
+
+def _own(y: torch.Tensor, dim: int, full: int, dtype: torch.dtype) -> torch.Tensor:
+    """A collective's result ``y`` (collected along dim 0) with that dim moved to ``dim``, cut to
+    ``full`` and cast to ``dtype``: ``y`` itself when nothing changes, else a tensor of its own.
+
+    Never a view or a no-op cast of ``y``: torch 2.11's dynamo gives an autograd.Function whose
+    output is one a zero gradient (seen on CPU and GPU; 2.13 is not affected)."""
+    if dim == 0 and y.shape[0] == full and y.dtype == dtype:
+        return y
+    y = y.movedim(0, dim).narrow(dim, 0, full)
+    if y.dtype != dtype:
+        return y.to(dtype, memory_format=torch.contiguous_format)
+    return y.clone(memory_format=torch.contiguous_format)
+
+
 def _ar(x: torch.Tensor, group: str) -> torch.Tensor:
-    return _ops.wait_tensor(_ops.all_reduce(x.contiguous(), "sum", group))
+    y = x.float() if x.dtype in _SUM_IN_FP32 else x
+    y = _ops.wait_tensor(_ops.all_reduce(y.contiguous(), "sum", group))
+    return y if y.dtype == x.dtype else y.to(x.dtype)   # never a no-op cast: see _own
 
 
 def _pad_to(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
@@ -44,15 +67,15 @@ def _pad_to(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
 
 def _ag(x: torch.Tensor, dim: int, group: str, size: int, full: int) -> torch.Tensor:
     y = x.movedim(dim, 0).contiguous()
-    y = _ops.wait_tensor(_ops.all_gather_into_tensor(y, size, group))
-    return y.movedim(0, dim).narrow(dim, 0, full).contiguous()
+    return _own(_ops.wait_tensor(_ops.all_gather_into_tensor(y, size, group)), dim, full, x.dtype)
 
 
 def _rs(x: torch.Tensor, dim: int, group: str, size: int) -> torch.Tensor:
     local = -(-x.shape[dim] // size)
-    y = _pad_to(x, dim, local * size).movedim(dim, 0).contiguous()
+    y = x.float() if x.dtype in _SUM_IN_FP32 else x
+    y = _pad_to(y, dim, local * size).movedim(dim, 0).contiguous()
     y = _ops.wait_tensor(_ops.reduce_scatter_tensor(y, "sum", size, group))
-    return y.movedim(0, dim).contiguous()
+    return _own(y, dim, local, x.dtype)
 
 
 class _CopyTo(torch.autograd.Function):
@@ -105,7 +128,7 @@ class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, size, rank):
         ctx.args = (dim, group, size, x.shape[dim])
-        return take_shard(x, dim, size, rank).contiguous()
+        return take_shard(x, dim, size, rank).clone(memory_format=torch.contiguous_format)   # not a view: see _own
 
     @staticmethod
     def backward(ctx, g):

@@ -1,5 +1,15 @@
 """Starting torch.distributed processes: `spawn` for tests and single-machine runs, `init_distributed`
 for scripts started by `torchrun`. Everything else in autopar assumes a process group already exists.
+
+Failure behaviour: one rank that raises or dies must not leave its peers waiting in a collective.
+- Every collective has a timeout (gloo and NCCL); NCCL runs with asynchronous error handling, so
+  its watchdog tears a rank down when a collective outlives the timeout.
+- `spawn` kills every surviving rank as soon as one fails and raises `RankError` with that rank's
+  traceback (or its exit code or signal).
+- Under `torchrun`, `guard()` turns an uncaught exception into: the traceback, tagged with the
+  rank, on stderr and in torchrun's error file (its "Root Cause" report), the process group torn
+  down, and a non-zero exit two seconds later. The peers then fail at once (gloo sees the connection
+  close) or are stopped by torchrun's agent, which ends the whole job when one worker exits non-zero.
 """
 
 import contextlib
@@ -7,6 +17,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -20,6 +31,10 @@ import torch.distributed as dist
 _MAX_COLLECTIVE_TIMEOUT_S = 120.0
 # How long a rank gets to die of SIGTERM before it is sent SIGKILL.
 _TERMINATE_GRACE_S = 2.0
+# How long a failed rank under guard() stays up before it exits. A rank that fails only because a peer
+# died (gloo: "connection closed by peer") must not exit before torchrun's agent, which polls every
+# 0.1 s, has seen the peer's failure: it then stops this rank and reports the peer as the root cause.
+_LINGER_S = 2.0
 
 
 class RankError(RuntimeError):
@@ -41,6 +56,8 @@ def init_distributed(backend=None, timeout_s=600) -> tuple[int, int]:
 
     Does nothing but report if a process group already exists (e.g. inside `spawn`). The backend defaults
     to "nccl" when CUDA is available, else "gloo"; with CUDA the current device becomes LOCAL_RANK.
+    A collective that waits longer than `timeout_s` seconds fails (on NCCL, the watchdog then ends the
+    process): keep it above the longest time one rank may spend away from the others, e.g. compiling.
     """
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -52,8 +69,75 @@ def init_distributed(backend=None, timeout_s=600) -> tuple[int, int]:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        _init_process_group(backend, timeout_s)
     return dist.get_rank(), dist.get_world_size()
+
+
+@contextlib.contextmanager
+def guard(exit_code=1):
+    """Context manager (or decorator) for a rank's main code under `torchrun`: a failure stops this rank
+    at once, so that its peers are not left waiting for it in a collective.
+
+    On an uncaught exception (or `sys.exit` with a non-zero status) it prints the traceback tagged with
+    the rank, records it in torchrun's error file (the "Root Cause" of torchrun's report), waits two
+    seconds so that torchrun sees which rank failed first, tears the process group down (an NCCL group
+    is aborted rather than waited on) and exits with `exit_code` (a `sys.exit` keeps its own status)
+    without running exit handlers that could block.
+
+        with autopar.launch.guard():
+            init_distributed()
+            train()
+    """
+    try:
+        yield
+    except SystemExit as e:
+        if e.code in (None, 0):
+            raise
+        _fail(e, e.code if isinstance(e.code, int) else exit_code)
+    except BaseException as e:
+        _fail(e, exit_code)
+
+
+def _fail(exc, exit_code):
+    """Reports `exc` for this rank, tears the process group down and ends the process with `exit_code`."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
+    text = "".join(traceback.format_exception(exc))
+    print(f"autopar: rank {rank} failed; stopping it so that its peers do not wait for it\n"
+          f"[rank {rank}] {text}", file=sys.stderr, end="", flush=True)
+    ErrorHandler().record_exception(exc)
+    time.sleep(_LINGER_S)   # the peers stay connected meanwhile, so they do not fail before the agent looks
+    _teardown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # os._exit: normal interpreter exit runs destructors that can wait on a peer which will never answer.
+    os._exit(exit_code)
+
+
+def _init_process_group(backend, timeout_s):
+    """init_process_group with a bounded collective timeout; for NCCL, with the watchdog's error handling on."""
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s!r}: expected a positive number of seconds")
+    if backend == "nccl":
+        # Read when the NCCL process group is built: 1 = on a failed or timed-out collective, abort the
+        # communicators and end the process, rather than leave it blocked. The user's own setting wins.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def _teardown():
+    """Destroys the default process group of a failed rank without waiting on its peers."""
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "nccl":
+            # destroy_process_group could wait for the NCCL kernels a dead peer will never finish.
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+    except Exception as e:   # the group may already be broken; the original failure is what matters
+        print(f"autopar: tearing the process group down also failed: {e}", file=sys.stderr, flush=True)
 
 
 def spawn(fn, world_size, *args, backend="gloo", timeout=300.0, env=None) -> list:
@@ -109,18 +193,17 @@ def _run_rank(conn, fn, rank, world_size, args, backend, collective_timeout):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, timeout=timedelta(seconds=collective_timeout))
+        _init_process_group(backend, collective_timeout)
         conn.send(("ok", fn(rank, world_size, *args)))
     except BaseException:
         # The wall-clock time lets the parent tell the rank that failed first from the peers it took down.
         conn.send(("error", time.time(), traceback.format_exc()))
+        _teardown()
     else:
         # Wait for the parent's word that every rank has returned: rank 0 hosts the TCPStore, and a peer
         # may still be finishing a collective with this rank; leaving early would break either.
         conn.recv()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 def _collect(procs, conns, deadline, timeout):

@@ -15,6 +15,7 @@ from autopar.ilp import InfeasibleError, solve_strategies
 from autopar.placement import local_shape
 from autopar.plan import MemoryPlan
 from autopar.planner import PlanError, _strategy_time, find_blocks
+from autopar.precision import working_copy_ratio
 
 MODES = ("none", "selective", "full")
 
@@ -38,7 +39,7 @@ def _param_state(cap, strategies, fqns, tp: int, dp: int, zero: int):
         v = node.meta["val"]
         params += float(np.prod(local_shape(tuple(v.shape), strategies[node].output, tp))) * v.element_size()
     optimizer = 2 * params / (dp if zero else 1)   # Adam's two moments, fp32 like the weights here
-    return params, params, optimizer
+    return params * (1 + working_copy_ratio(cap)), params, optimizer   # + a 16-bit step's working copy
 
 
 def memory_breakdown(cap, strategies, mesh, *, zero: int, regions, stage_nodes=None, inflight=None):

@@ -15,6 +15,7 @@ from autopar.mesh import Mesh
 from autopar.passes.capture import capture_pass
 from autopar.pipeline import dp_sync_time, layer_units, state_bytes_per_param_byte, unit_costs
 from autopar.planner import PlanError, check_tp, divisors, enumerate_strategies, solve
+from autopar.precision import retype_pass, working_copy_ratio
 from autopar.stage_dp import cut_stages, min_peak_memory
 
 
@@ -31,13 +32,15 @@ class MeshOption:
 
 def rank_meshes(model, world_size: int, example_inputs, *, device="h100", gpus_per_node: int = 8,
                 microbatch_size: int = 1, schedule: str = "1F1B", zero: int = 0, sequence_parallel="auto",
-                memory_budget: float | None = None, progress=None) -> list[MeshOption]:
+                memory_budget: float | None = None, progress=None, precision: str = "fp32",
+                capture=None) -> list[MeshOption]:
     """Every (dp, pp, tp) with dp * pp * tp == world_size that the model and batch allow,
-    fastest fitting mesh first."""
+    fastest fitting mesh first. ``capture(inputs)``: how to trace the model (default capture_pass)."""
     dev = get_device(device)
     budget = memory_budget if memory_budget is not None else dev.memory_bytes
     batch = example_inputs[0].shape[0]
-    cap = capture_pass(model, tuple(x[:microbatch_size] for x in example_inputs))
+    capture = capture or (lambda inputs: capture_pass(model, inputs))
+    cap = retype_pass(capture(tuple(x[:microbatch_size] for x in example_inputs)), precision)
     units = layer_units(cap)
     out = []
     for tp in (t for t in divisors(world_size) if t <= gpus_per_node):
@@ -57,15 +60,17 @@ def rank_meshes(model, world_size: int, example_inputs, *, device="h100", gpus_p
                 continue
             mesh = Mesh(dp, pp, tp)
             costs = unit_costs(cap, strategies, units, mesh, dev, zero=zero, gpus_per_node=gpus_per_node)
-            out.append(_evaluate(mesh, m, costs, dev, budget, schedule, zero, gpus_per_node))
+            out.append(_evaluate(mesh, m, costs, dev, budget, schedule, zero, gpus_per_node,
+                                 working_copy_ratio(cap)))
     if not out:
         raise PlanError(f"no (dp, pp, tp) for {world_size} devices suits this model and a batch of {batch}")
     return sorted(out, key=lambda o: (not o.fits, o.step_time, o.peak_memory))
 
 
-def _evaluate(mesh: Mesh, m: int, costs, dev, budget, schedule: str, zero: int, gpus_per_node: int) -> MeshOption:
+def _evaluate(mesh: Mesh, m: int, costs, dev, budget, schedule: str, zero: int, gpus_per_node: int,
+              working_copy: float) -> MeshOption:
     time, static, act, boundary = costs
-    state = state_bytes_per_param_byte(mesh, zero)
+    state = state_bytes_per_param_byte(mesh, zero, working_copy)
     if mesh.pp == 1:
         step, peak = m * float(time.sum()), float(static.sum() + act.sum())
         param_bytes = float(static.sum()) / state

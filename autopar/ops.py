@@ -7,15 +7,17 @@ cross-entropy): no rank ever holds the full embedding table or the full logits.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from autopar.collectives import all_gather, all_reduce
 
 
-def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, start: int) -> torch.Tensor:
-    """Rows ``start .. start + len(weight)`` of the table; other ids give zeros (a partial sum)."""
+def vocab_parallel_embedding(weight: torch.Tensor, idx: torch.Tensor, start: int,
+                             padding_idx: int = -1) -> torch.Tensor:
+    """Rows ``start .. start + len(weight)`` of the table; other ids give zeros (a partial sum).
+    ``padding_idx`` (a global id, -1 for none): that row gets no gradient, as in nn.Embedding."""
     outside = (idx < start) | (idx >= start + weight.shape[0])
-    out = F.embedding((idx - start).masked_fill(outside, 0), weight)
+    local_pad = padding_idx - start if start <= padding_idx < start + weight.shape[0] else -1
+    out = torch.ops.aten.embedding(weight, (idx - start).masked_fill(outside, 0), local_pad)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 

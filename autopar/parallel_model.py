@@ -11,7 +11,9 @@ from autopar import collectives as C
 from autopar.mesh import group_name
 from autopar.passes.recompute import recompute_pass
 from autopar.passes.shard import shard_pass
+from autopar.passes.rules import is_float
 from autopar.placement import Shard, local_shape, parse_placement, shard_tensor
+from autopar.precision import LossScaler, WorkingCopies, precision_pass
 
 
 class ParallelModel:
@@ -19,7 +21,13 @@ class ParallelModel:
 
     ``parameters()`` are the local shards for any torch optimizer (with ``zero=1`` use
     ``optimizer(...)``, which shards optimizer state over dp). Gradients after
-    ``train_step`` are averaged over dp and complete (no partial sums) on every rank."""
+    ``train_step`` are averaged over dp and complete (no partial sums) on every rank.
+
+    With ``plan.precision`` "bf16" or "fp16" the graph computes at 16 bits, on one working copy
+    of the weights per step, while parameters, gradients and optimizer state stay fp32 and
+    every gradient sum runs in fp32 (``autopar.precision``). fp16 scales the loss
+    (``loss_scaler``); a step whose gradients overflow on any rank leaves every rank's
+    gradients None, so the optimizer skips it, and sets ``step_skipped``."""
 
     def __init__(self, model, cap, strategies, plan, mesh, dmesh, *, compile=True):
         self.plan = plan
@@ -30,6 +38,13 @@ class ParallelModel:
         gm = cap.gm
         if mesh.tp > 1:
             gm = shard_pass(gm, strategies, size=mesh.tp, rank=self.coords["tp"], group=self._tp_group)
+        if plan.precision != "fp32":
+            floats = {n.name for n in cap.inputs if is_float(n)}
+            stage_of = None
+            if mesh.pp > 1:
+                from autopar.pipeline import stage_of_nodes
+                stage_of = stage_of_nodes(cap, plan)
+            gm = precision_pass(gm, plan, floats, stage_of)
         if plan.recompute_regions:
             if gm is cap.gm:   # the captured graph is shared with the planner: rewrite a copy
                 gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
@@ -43,6 +58,11 @@ class ParallelModel:
             return _materialize(model, cap, self._placement, mesh.tp, self.coords["tp"], fqns)
 
         self._buffers = {fqn: b for fqn, b in model.named_buffers() if fqn in cap.buffers}
+        # the buffers the module's own state_dict holds: checkpoints and exports carry exactly these
+        self._persistent_buffers = [fqn for fqn in model.state_dict(keep_vars=True) if fqn in self._buffers]
+        self._casts = WorkingCopies(plan.precision)
+        self.loss_scaler = LossScaler() if plan.precision == "fp16" else None
+        self.step_skipped = False
         self._pipeline = None
         if mesh.pp > 1:
             from autopar.pipeline import Pipeline
@@ -72,6 +92,11 @@ class ParallelModel:
 
     # ---- the step ------------------------------------------------------------------------
 
+    @property
+    def loss_scale(self) -> float:
+        """What backward's loss is multiplied by: the fp16 loss scale, else 1."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
     def __call__(self, *inputs):
         """Forward only: this rank's loss for one dp-local microbatch (pp=1)."""
         if self._pipeline is not None:
@@ -79,8 +104,8 @@ class ParallelModel:
                                       "use train_step")
         args, it = [], iter(inputs)
         for kind, fqn in self._slots:
-            args.append(self._params[fqn] if kind == "param" else self._buffers[fqn] if kind == "buffer"
-                        else next(it))
+            args.append(self._casts(fqn, self._params[fqn]) if kind == "param"
+                        else self._casts(fqn, self._buffers[fqn]) if kind == "buffer" else next(it))
         out = self._fn(*args)
         return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -92,23 +117,35 @@ class ParallelModel:
         the full batch's mean loss when every microbatch has the same token count)."""
         m = self.plan.microbatches
         inputs = [self._dp_slice(x) for x in inputs]
-        if self._pipeline is not None:
-            total = self._pipeline.step(dict(zip(self._input_names, inputs)))
-        else:
-            total = self._microbatches(inputs, m)
+        with self._casts.step():
+            if self._pipeline is not None:
+                total = self._pipeline.step(dict(zip(self._input_names, inputs)))
+            else:
+                total = self._microbatches(inputs, m)
         if self.mesh.dp > 1:
             total = C.all_reduce(total, self._dp_group) / self.mesh.dp
             if self._zero is not None:
                 self._zero.reduce_scatter_grads()
             else:
                 _all_reduce_mean([p.grad for p in self.parameters() if p.grad is not None], self._dp_group, self.mesh.dp)
+        if self.loss_scaler is not None:
+            self._unscale_grads()
         return total
+
+    def _unscale_grads(self):
+        """Divide the gradients by the loss scale; after an inf/nan on any rank, drop them on all."""
+        holders = [self._zero.shard] if self._zero is not None else list(self.parameters())
+        grads = [p.grad for p in holders if p.grad is not None]
+        self.step_skipped = self.loss_scaler.unscale_(grads, dist.group.WORLD.group_name, self._device)
+        if self.step_skipped:
+            for p in holders:
+                p.grad = None   # torch optimizers leave a parameter without a gradient untouched
 
     def _microbatches(self, inputs, m: int) -> torch.Tensor:
         total = 0.0
         for chunk in zip(*[x.chunk(m) if isinstance(x, torch.Tensor) else [x] * m for x in inputs]):
             loss = self(*chunk)
-            (loss / m).backward()
+            (loss * self.loss_scale / m).backward()
             total = total + loss.detach() / m
         return total
 
@@ -254,11 +291,13 @@ class _Zero1:
             p.grad = None   # the full gradients are not kept: that is ZeRO's saving
 
     def clip_grad_norm_(self, max_norm):
-        g = self.shard.grad.float()
+        # no gradient: an fp16 step dropped on overflow, whose norm is 0
+        grad = self.shard.grad if self.shard.grad is not None else torch.zeros_like(self.shard)
+        g = grad.float()
         sq = torch.stack([(g.pow(2) * self.sharded_mask).sum(), (g.pow(2) * (1 - self.sharded_mask)).sum()])
         sq = C.all_reduce(sq, self.pm._dp_group)
         norm = self.pm._norm(sq)
-        _scale([self.shard.grad], max_norm, norm)
+        _scale([grad], max_norm, norm)
         return norm
 
     def all_gather_params(self):

@@ -19,6 +19,7 @@ from autopar.passes.capture import Captured
 from autopar.passes.rules import is_float
 from autopar.placement import Shard, local_shape
 from autopar.planner import PlanError, _strategy_time, find_blocks, tensor_bytes, tp_collectives
+from autopar.precision import working_copy_ratio
 from autopar.stage_dp import cut_stages, evaluate_cut
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
@@ -75,7 +76,7 @@ def unit_costs(cap: Captured, strategies: dict, units: list[Unit], mesh, dev, *,
             if consumer in unit_of:
                 time[unit_of[consumer]] += collective_time(kind, nbytes, tp, dev, tp_inter)
     static = np.zeros(len(units))
-    state = state_bytes_per_param_byte(mesh, zero)
+    state = state_bytes_per_param_byte(mesh, zero, working_copy_ratio(cap))
     for fqn, node in cap.params.items():
         pl = strategies[node].output
         nbytes = float(np.prod(local_shape(tuple(node.meta["val"].shape), pl, tp))) * node.meta["val"].element_size()
@@ -86,19 +87,23 @@ def unit_costs(cap: Captured, strategies: dict, units: list[Unit], mesh, dev, *,
         if is_float(n) and n.meta.get("val") is not None:
             split = tp if isinstance(strategies[n].output, Shard) else 1
             act[k] += tensor_bytes(n) / split
-    boundary = np.zeros(max(len(units) - 1, 0))
-    for k in range(len(units) - 1):
-        crossing = {a for j in range(k + 1, len(units)) for n in units[j].nodes for a in n.all_input_nodes
-                    if a in unit_of and unit_of[a] <= k and is_float(a)}
-        nbytes = sum(tensor_bytes(a) / (tp if isinstance(strategies[a].output, Shard) else 1) for a in crossing)
-        bw = dev.inter_node_bw if pp_inter else dev.intra_node_bw
-        boundary[k] = 2 * nbytes / bw     # activations forward, their gradients backward
+    # a value crosses the cuts after its own unit up to the last unit that reads it
+    sent = np.zeros(len(units) + 1)
+    for a, k in unit_of.items():
+        last = max((unit_of[u] for u in a.users if u in unit_of), default=k)
+        if last > k and is_float(a):
+            nbytes = tensor_bytes(a) / (tp if isinstance(strategies[a].output, Shard) else 1)
+            sent[k] += nbytes
+            sent[last] -= nbytes
+    bw = dev.inter_node_bw if pp_inter else dev.intra_node_bw
+    boundary = 2 * np.cumsum(sent)[:max(len(units) - 1, 0)] / bw   # activations forward, gradients back
     return time, static, act, boundary
 
 
-def state_bytes_per_param_byte(mesh, zero: int) -> float:
-    """Parameter + gradient + Adam's two moments (the moments sharded over dp with ZeRO-1)."""
-    return 2.0 + (2.0 / mesh.dp if zero else 2.0)
+def state_bytes_per_param_byte(mesh, zero: int, working_copy: float = 0.0) -> float:
+    """Parameter + gradient + Adam's two moments (the moments sharded over dp with ZeRO-1), plus
+    a 16-bit working copy's share (``autopar.precision.working_copy_ratio``)."""
+    return 2.0 + working_copy + (2.0 / mesh.dp if zero else 2.0)
 
 
 def dp_sync_time(param_bytes: float, mesh, dev, zero: int, gpus_per_node: int) -> float:
@@ -159,11 +164,15 @@ def _override_bounds(stages, units: list[Unit], n_stages: int):
 # ---- run time ---------------------------------------------------------------------------------
 
 class StageModule(torch.nn.Module):
-    """One stage's graph with its (local) parameters and buffers registered, for a PipelineStage."""
+    """One stage's graph with its (local) parameters and buffers registered, for a PipelineStage.
 
-    def __init__(self, fn, fqns: list[str], tensors: dict[str, torch.Tensor]):
+    ``prepare(fqn, tensor)`` gives what the graph computes with (the step's working copy)."""
+
+    def __init__(self, fn, fqns: list[str], tensors: dict[str, torch.Tensor], prepare):
         super().__init__()
         self.fn = fn
+        self.prepare = prepare
+        self.fqns = fqns
         self.keys = [f.replace(".", "__") for f in fqns]
         for k, f in zip(self.keys, fqns):
             if isinstance(tensors[f], torch.nn.Parameter):
@@ -172,7 +181,7 @@ class StageModule(torch.nn.Module):
                 self.register_buffer(k, tensors[f], persistent=False)
 
     def forward(self, *acts):
-        return self.fn(*[getattr(self, k) for k in self.keys], *acts)
+        return self.fn(*[self.prepare(f, getattr(self, k)) for f, k in zip(self.fqns, self.keys)], *acts)
 
 
 def make_schedule(name: str, stages: list, microbatches: int, loss_fn):
@@ -226,13 +235,14 @@ class Pipeline:
         device = pm._device
         self.pp_group = group_name(dmesh, "pp")
         pg = dmesh.get_group("pp")
-        self.stages = [PipelineStage(StageModule(wrap(self.sg.stages[s]), self.sg.stage_params[s], tensors),
+        self.stages = [PipelineStage(StageModule(wrap(self.sg.stages[s]), self.sg.stage_params[s], tensors, pm._casts),
                                      s, n, device, group=pg) for s in self.mine]
         tail = wrap(self.sg.tail)
-        tail_w = [tensors[f] for f in self.sg.tail_params] if self.last else []
+        tail_w = {f: tensors[f] for f in self.sg.tail_params} if self.last else {}
 
-        def loss_fn(out, target):
-            return tail(*tail_w, *(out if isinstance(out, tuple) else (out,)), target)
+        def loss_fn(out, target):   # the loss backward starts from: scaled for fp16
+            weights = [pm._casts(f, t) for f, t in tail_w.items()]
+            return tail(*weights, *(out if isinstance(out, tuple) else (out,)), target) * pm.loss_scale
 
         self.schedule = make_schedule(plan.schedule, self.stages, plan.microbatches, loss_fn)
         self.params = params
@@ -243,7 +253,7 @@ class Pipeline:
         losses: list = []
         first = [inputs[name] for name in self.sg.first_inputs]
         self.schedule.step(*first, target=inputs[self.sg.label_inputs[0]], losses=losses)
-        loss = torch.stack([l.detach() for l in losses]).mean() if self.last else torch.zeros(())
+        loss = torch.stack([l.detach() for l in losses]).mean() / self.pm.loss_scale if self.last else torch.zeros(())
         for f in self.shared:   # a weight on several stages: its gradient is the sum over them
             p = self.params.get(f)
             g = p.grad if p is not None and p.grad is not None else torch.zeros(self.pm._local_shape(f))

@@ -14,6 +14,10 @@ from pathlib import Path
 
 PLAN_VERSION = 1
 
+PRECISION_NOTES = {"fp32": "fp32",
+                   "bf16": "bf16 compute, fp32 master weights and reductions",
+                   "fp16": "fp16 compute, fp32 master weights and reductions, dynamic loss scaling"}
+
 
 class PlanFormatError(ValueError):
     """A plan file that is malformed or does not fit the model; the message names the field."""
@@ -40,6 +44,7 @@ class NodePlan:
     inputs: tuple[str, ...]
     output: str
     local: str | None = None
+    regather: bool = False   # keeps its input's sequence shard and all-gathers it again in backward
 
 
 @dataclass(frozen=True)
@@ -102,9 +107,15 @@ class Plan:
     recompute: str = "none"
     recompute_regions: tuple[tuple[str, ...], ...] = ()   # global node names recomputed together
     memory: tuple[MemoryPlan, ...] = ()
+    precision: str = "fp32"         # compute dtype: "fp32", "bf16" or "fp16"; weights, grads, reductions stay fp32
     source: str = "auto"
     version: int = PLAN_VERSION
     notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self):
+        if self.precision not in PRECISION_NOTES:
+            raise PlanFormatError(f"plan.precision {self.precision!r}: expected "
+                                  f"{', '.join(map(repr, PRECISION_NOTES))}")
 
     @property
     def predicted_step_time(self) -> float:
@@ -117,6 +128,14 @@ class Plan:
         devices = self.mesh[0] * self.mesh[1] * self.mesh[2]
         denom = self.predicted_step_time * self.peak_flops * devices
         return self.model_flops / denom if denom else 0.0
+
+    def cost_expr(self, model, example_inputs=None, *, device=None, gpus_per_node: int = 8):
+        """Step time and peak memory as sympy expressions in the global batch B and sequence
+        length S, for this plan's strategies, stages and recompute (``autopar.cost_model.symbolic``):
+        ``e = plan.cost_expr(model); e.step_time; e.at(B, S)``. ``model`` is the model planned
+        (on the meta device is fine); ``device`` is needed when the plan was priced on a profile."""
+        from autopar.cost_model.symbolic import cost_expr
+        return cost_expr(model, self, example_inputs, device=device, gpus_per_node=gpus_per_node)
 
     def param(self, fqn: str) -> ParamPlan:
         for p in self.parameters:
@@ -164,7 +183,7 @@ class Plan:
         Returns "no differences" when the two plans decide the same things."""
         out: list[str] = []
         for f in ("mesh", "input_shapes", "sequence_parallel", "zero", "microbatches", "schedule",
-                  "virtual_stages", "recompute", "device"):
+                  "virtual_stages", "recompute", "precision", "device"):
             a, b = getattr(self, f), getattr(other, f)
             if a != b:
                 out.append(f"{f}: {a} -> {b}")
@@ -195,7 +214,7 @@ class Plan:
         lines = [f"autopar plan ({self.source}) for mesh dp={dp} pp={pp} tp={tp} on {self.device}",
                  f"  microbatch input shapes {list(map(list, self.input_shapes))}, microbatches "
                  f"{self.microbatches}, sequence parallel {'on' if self.sequence_parallel else 'off'}, "
-                 f"ZeRO-{self.zero}",
+                 f"ZeRO-{self.zero}, precision {PRECISION_NOTES[self.precision]}",
                  "  placements: R replicated, P partial sum, S(d) sharded on dim d, "
                  "S(d)ik interleaved: dim d is k blocks (fused q,k,v) and each rank holds its slice of each",
                  "", "Parameters (placement per axis, local shape):"]

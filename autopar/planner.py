@@ -17,17 +17,18 @@ from __future__ import annotations
 import re
 import time
 from collections import Counter
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.fx import Node
 
-from autopar.cost_model import collective_time, compute_time, node_bytes, node_flops
+from autopar.cost_model import collective_time, compute_time, node_bytes, node_flops, summed_bytes
 from autopar.cost_model.memory import VIEW_OPS
 from autopar.ilp import solve_strategies
 from autopar.passes.capture import Captured
-from autopar.passes.reshard import ReshardError, regathers, reshard_steps, step_collectives
+from autopar.passes.reshard import ReshardError, can_regather, regather_candidate, reshard_steps, step_collectives
 from autopar.passes.rules import POINTWISE, RuleContext, Strategy, dim_labels, is_float, shape, strategies_for
 from autopar.placement import R, Placement, Shard
 
@@ -186,7 +187,8 @@ def solve(cap: Captured, options: dict[Node, list[Strategy]], tp: int, dev, *,
 
 def _edge_matrix(producer: Node, consumer: Node, slot: int, options, tp, dev, inter_node) -> np.ndarray:
     srcs, dsts = options[producer], options[consumer]
-    nbytes = tensor_bytes(consumer if isinstance(producer.meta.get("val"), (list, tuple)) else producer)
+    moved = consumer if isinstance(producer.meta.get("val"), (list, tuple)) else producer
+    nbytes, dtype = tensor_bytes(moved), getattr(moved.meta.get("val"), "dtype", None)
     fl = is_float(producer)
     tuple_out = isinstance(producer.meta.get("val"), (list, tuple))
     m = np.zeros((len(srcs), len(dsts)))
@@ -200,7 +202,8 @@ def _edge_matrix(producer: Node, consumer: Node, slot: int, options, tp, dev, in
             if key not in cache:
                 try:
                     kinds = edge_collectives(consumer.target, slot, *key, fl)
-                    cache[key] = sum(collective_time(kind, nbytes, tp, dev, inter_node) + LAUNCH_OVERHEAD
+                    cache[key] = sum(collective_time(kind, summed_bytes(kind, nbytes, dtype), tp, dev, inter_node)
+                                     + LAUNCH_OVERHEAD
                                      for _, kind in kinds)
                 except ReshardError:
                     cache[key] = np.inf
@@ -208,17 +211,23 @@ def _edge_matrix(producer: Node, consumer: Node, slot: int, options, tp, dev, in
     return m
 
 
-def _strategy_time(node: Node, s: Strategy, tp: int, dev, inter_node: bool, with_comm: bool = True) -> float:
-    if node.op != "call_function" or node.target in VIEW_OPS:
-        return 0.0
+def strategy_work(node: Node, s: Strategy) -> tuple[float, float, torch.dtype]:
+    """(FLOPs, bytes moved, dtype) of a call_function node's forward and backward on one rank
+    under strategy ``s``: what ``compute_time`` prices (views excluded by the caller)."""
     fwd, bwd = node_flops(node)   # cached by the cost model per op signature
-    flops = fwd + bwd
     # Inductor fuses chains of pointwise ops, so one costs about a write of its output
     # forward and one backward; other ops read and write their tensors, backward ~2x.
     nbytes = 2 * tensor_bytes(node) if node.target in POINTWISE else 3 * node_bytes(node)
     val = node.meta["val"]
     dtype = val.dtype if isinstance(val, torch.Tensor) else torch.float32
-    t = compute_time(flops / s.divisor, nbytes / s.divisor, dev, dtype)
+    return (fwd + bwd) / s.divisor, nbytes / s.divisor, dtype
+
+
+def _strategy_time(node: Node, s: Strategy, tp: int, dev, inter_node: bool, with_comm: bool = True) -> float:
+    if node.op != "call_function" or node.target in VIEW_OPS:
+        return 0.0
+    flops, nbytes, dtype = strategy_work(node, s)
+    t = compute_time(flops, nbytes, dev, dtype)
     rows = shape(node.args[0])[0] if s.comm and with_comm else 0
     return t + sum(collective_time(kind, _comm_bytes(kind, rows, tp), tp, dev, inter_node) for kind, _ in s.comm)
 
@@ -229,6 +238,8 @@ def _comm_bytes(kind: str, rows: int, tp: int) -> float:
 
 
 def _param_memory(node: Node, s: Strategy, tp: int, state_bytes: float) -> float:
+    if node.meta.get("kind") != "param":
+        return 0.0
     split = tp if isinstance(s.output, Shard) else 1
     return tensor_bytes(node) * state_bytes / split
 
@@ -245,10 +256,12 @@ def tp_collectives(cap: Captured, strategies: dict[Node, Strategy], tp: int):
     """(phase, kind, where, bytes, consumer node) of every tp collective the rewrite will emit."""
     out, seen = [], set()
     for c in cap.gm.graph.nodes:
+        regather = False
         if c.op == "output":
             pairs = [(p, R, False) for p in c.all_input_nodes]
         elif c.op == "call_function":
             s = strategies[c]
+            regather = s.regather
             pairs = [(p, s.inputs[k], s.divergent(k) and is_float(p)) for k, p in enumerate(c.all_input_nodes)]
             rows = shape(c.args[0])[0] if s.comm else 0
             out += [("fwd", kind, c.meta.get("module_path", ""), _comm_bytes(kind, rows, tp), c)
@@ -256,23 +269,27 @@ def tp_collectives(cap: Captured, strategies: dict[Node, Strategy], tp: int):
         else:
             continue
         for slot, (p, dst, div) in enumerate(pairs):
-            kinds = edge_collectives(c.target, slot, strategies[p].output, dst, div, is_float(p))
-            own = regathers(c.target, slot, strategies[p].output, reshard_steps(strategies[p].output, dst, div))
+            kinds = edge_collectives(c.target, slot, strategies[p].output, dst, div, is_float(p), regather=regather)
+            own = regather and can_regather(c.target, slot, strategies[p].output,
+                                            reshard_steps(strategies[p].output, dst, div))
             if not own:   # the rewrite moves a value once for all consumers wanting it the same way
                 if (p, dst, div) in seen:
                     continue
                 seen.add((p, dst, div))
-            nbytes = tensor_bytes(c if isinstance(p.meta.get("val"), (list, tuple)) else p)
+            moved = c if isinstance(p.meta.get("val"), (list, tuple)) else p
+            nbytes, dtype = tensor_bytes(moved), getattr(moved.meta.get("val"), "dtype", None)
             where = c.meta.get("module_path", "") or p.meta.get("module_path", "")
-            out += [(phase, kind, where, nbytes, c) for phase, kind in kinds]
+            out += [(phase, kind, where, summed_bytes(kind, nbytes, dtype), c) for phase, kind in kinds]
     return out
 
 
-def edge_collectives(consumer_target, slot: int, src: Placement, dst: Placement, divergent: bool, is_float_: bool):
-    """(phase, kind) of the collectives moving one input from ``src`` to ``dst`` for its consumer."""
+def edge_collectives(consumer_target, slot: int, src: Placement, dst: Placement, divergent: bool, is_float_: bool,
+                     *, regather: bool = False):
+    """(phase, kind) of the collectives moving one input from ``src`` to ``dst`` for its consumer
+    (``regather``: the consumer keeps only the shard and gathers again in backward)."""
     steps = reshard_steps(src, dst, divergent)
     kinds = step_collectives(steps, is_float_)
-    if regathers(consumer_target, slot, src, steps):
+    if regather and can_regather(consumer_target, slot, src, steps):
         kinds.append(("bwd", "all_gather"))
     return kinds
 
@@ -298,7 +315,7 @@ def build_plan(cap: Captured, assignment: Assignment, mesh, dev, *, sequence_par
                                 loc, tuple(cap.aliases.get(fqn, ()))))
     nodes = tuple(NodePlan(n.name, _op_name(n), n.meta.get("module_path", ""),
                            tuple(map(str, strategies[n].inputs)), str(strategies[n].output),
-                           strategies[n].local)
+                           strategies[n].local, strategies[n].regather)
                   for n in cap.gm.graph.nodes if n.op == "call_function")
     m = microbatches
     agg: dict[tuple, list] = {}
@@ -355,12 +372,24 @@ def strategies_from_plan(cap: Captured, options: dict[Node, list[Strategy]], pla
             valid = "; ".join(str(s) for s in options[node])
             raise PlanFormatError(f"{where}: no strategy ({', '.join(np_.inputs)}) -> {np_.output}; "
                                   f"valid: {valid}")
-        chosen[node] = match[0]
+        chosen[node] = dataclasses.replace(match[0], regather=np_.regather)
+    for i, np_ in enumerate(plan.nodes):
+        node = by_name[np_.name]
+        if np_.regather and not regather_candidate(node, chosen):
+            raise PlanFormatError(f"plan.nodes[{i}].regather ({np_.name} in {np_.module or 'the top level'}): "
+                                  "only a linear whose input is all-gathered from sequence shards can re-gather it")
     for node in options:
         if node.op == "call_function" and node.name not in {n.name for n in plan.nodes}:
             raise PlanFormatError(f"plan.nodes: no entry for node {node.name} "
                                   f"({node.meta.get('module_path') or 'top level'})")
     return chosen
+
+
+def with_regather(strategies: dict[Node, Strategy]) -> dict[Node, Strategy]:
+    """The strategies with every eligible sequence-parallel linear re-gathering its input in
+    backward: (t-1)/t of those inputs' activation memory traded for one all-gather each."""
+    return {n: dataclasses.replace(s, regather=True) if regather_candidate(n, strategies) else s
+            for n, s in strategies.items()}
 
 
 def pin_parameters(options: dict[Node, list[Strategy]], cap: Captured, placements: dict[str, Placement]):

@@ -5,8 +5,13 @@ all-gather, reduce-scatter and all-to-all, and twice that (a reduce-scatter then
 for all-reduce. Time = bytes_on_wire / bw + steps * alpha, with (bw, alpha) the intra-node
 (NVLink) or inter-node (InfiniBand) tier. A ring is as fast as its slowest link, so an axis that
 spans nodes is priced entirely at the inter-node tier.
+
+Sums run in fp32 (``autopar.collectives``): ``summed_bytes`` gives the bytes a reduction of a
+16-bit tensor really moves.
 """
 from __future__ import annotations
+
+import torch
 
 from .devices import DeviceSpec
 
@@ -37,7 +42,16 @@ def collective_bytes_on_wire(kind: str, nbytes: float, n: int) -> float:
     mult = _check(kind, n)
     if n == 1:
         return 0.0
-    return mult * (n - 1) / n * float(nbytes)
+    return mult * (n - 1) / n * nbytes
+
+
+def summed_bytes(kind: str, nbytes: float, dtype: torch.dtype | None) -> float:
+    """Bytes a ``kind`` collective moves for a tensor of ``nbytes`` at ``dtype``: an all-reduce or
+    reduce-scatter of a bf16/fp16 tensor is upcast and summed in fp32, so it moves twice ``nbytes``;
+    other collectives, and other dtypes, move the tensor as it is."""
+    if kind in ("all_reduce", "reduce_scatter") and dtype in (torch.bfloat16, torch.float16):
+        return 2.0 * nbytes
+    return float(nbytes)
 
 
 def collective_time(kind: str, nbytes: float, n: int, dev: DeviceSpec,
@@ -45,13 +59,13 @@ def collective_time(kind: str, nbytes: float, n: int, dev: DeviceSpec,
     """Seconds for a ring ``kind`` ("all_reduce", "all_gather", "reduce_scatter",
     "all_to_all") of a FULL tensor of ``nbytes`` over ``n`` ranks on ``dev``'s network.
 
-    Uses the inter-node tier when ``inter_node`` is true (see ``axis_is_inter_node``).
-    A group of one rank costs nothing."""
+    Uses the inter-node tier when ``inter_node`` is true (see ``axis_is_inter_node``), and
+    the profile's fit for ``kind`` on that tier when it has one (``DeviceSpec.collective_params``).
+    ``nbytes`` may be a sympy expression. A group of one rank costs nothing."""
     mult = _check(kind, n)
     if n == 1:
         return 0.0
-    bw = dev.inter_node_bw if inter_node else dev.intra_node_bw
-    alpha = dev.inter_node_latency if inter_node else dev.intra_node_latency
+    alpha, bw = dev.collective_params(kind, inter_node)
     return collective_bytes_on_wire(kind, nbytes, n) / bw + mult * (n - 1) * alpha
 
 

@@ -13,6 +13,7 @@ import operator
 import warnings
 from typing import Any
 
+import sympy
 import torch
 import torch.fx
 from torch.fx.node import map_arg
@@ -168,9 +169,10 @@ def node_flops(node: torch.fx.Node) -> tuple[float, float]:
         return (0.0, 0.0)
     if not isinstance(node.target, _OPS):
         return (0.0, 0.0)
-    args = map_arg(node.args, _val)
-    kwargs = map_arg(node.kwargs, _val)
-    return op_flops(node.target, args, kwargs)
+    # Shapes never change under a node (``symbolic`` re-sizes graphs and drops this), and planning asks often.
+    if "flops" not in node.meta:
+        node.meta["flops"] = op_flops(node.target, map_arg(node.args, _val), map_arg(node.kwargs, _val))
+    return node.meta["flops"]
 
 
 def _tensor_bytes(x: Any) -> float:
@@ -209,13 +211,49 @@ def node_bytes(node: torch.fx.Node) -> float:
     return float(read + written)
 
 
-def compute_time(flops: float, nbytes: float, dev: DeviceSpec,
-                 dtype: torch.dtype | str | None) -> float:
-    """Roofline seconds: max(flops / (peak(dtype) * matmul_efficiency), nbytes / HBM bandwidth).
+def compute_time(flops, nbytes, dev: DeviceSpec, dtype: torch.dtype | str | None):
+    """Roofline seconds: max(flops / matmul_rate(flops), nbytes / HBM bandwidth, launch overhead).
 
-    With ``flops == 0`` the dtype is not consulted (so integer ops and ``None`` are fine)."""
-    t_mem = float(nbytes) / dev.mem_bandwidth
-    if flops <= 0:
-        return t_mem
-    t_flop = float(flops) / (dev.flops(dtype) * dev.matmul_efficiency)
-    return max(t_flop, t_mem)
+    The rate is the profile's measured matmul FLOP/s at this size when it has samples of
+    ``dtype`` (``matmul_rate``), else ``peak(dtype) * matmul_efficiency``. ``flops`` and
+    ``nbytes`` may be numbers or sympy expressions (``cost_model.symbolic``); the result is of
+    the same kind. With ``flops == 0`` the dtype is not consulted (integer ops and ``None`` are fine)."""
+    terms = [nbytes / dev.mem_bandwidth]
+    if not _is_zero(flops):
+        terms.append(flops / matmul_rate(flops, dev, dtype))
+    if dev.launch_overhead > 0:
+        terms.append(dev.launch_overhead)
+    if any(isinstance(t, sympy.Basic) for t in terms):
+        return sympy.Max(*terms)
+    return float(max(terms))
+
+
+def matmul_rate(flops, dev: DeviceSpec, dtype: torch.dtype | str):
+    """FLOP/s a matmul of ``flops`` FLOPs reaches on ``dev``: the measured curve (achieved FLOP/s
+    linear in log FLOPs between samples, constant beyond them) or ``peak * matmul_efficiency``.
+
+    For a sympy ``flops`` the curve is a ``Piecewise`` over the same segments."""
+    curve = dev.matmul_curve(dtype)
+    if curve is None:
+        return dev.flops(dtype) * dev.matmul_efficiency
+    xs, ys = curve
+    # (rate as a function of flops, the largest flops it applies to), in order
+    pieces = [(lambda x: ys[0], xs[0])]
+    for i in range(len(xs) - 1):
+        slope = (ys[i + 1] - ys[i]) / (math.log(xs[i + 1]) - math.log(xs[i]))
+        pieces.append((lambda x, i=i, slope=slope: ys[i] + slope * (_log(x) - math.log(xs[i])), xs[i + 1]))
+    if isinstance(flops, sympy.Basic):
+        return sympy.Piecewise(*[(f(flops), flops <= bound) for f, bound in pieces], (ys[-1], True))
+    for f, bound in pieces:
+        if flops <= bound:
+            return f(flops)
+    return ys[-1]
+
+
+def _log(x):
+    return sympy.log(x) if isinstance(x, sympy.Basic) else math.log(x)
+
+
+def _is_zero(x) -> bool:
+    # A sympy polynomial is zero only when it is the zero expression; numbers keep the old `<= 0`.
+    return x == 0 if isinstance(x, sympy.Basic) else x <= 0

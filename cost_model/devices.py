@@ -4,13 +4,26 @@ A ``DeviceSpec`` is plain, frozen data: peak dense FLOP/s per dtype, HBM bandwid
 and the alpha-beta parameters of the two network tiers (NVLink inside a node, InfiniBand
 between nodes). Presets live in ``DEVICES``; a measured profile (``python -m autopar
 calibrate``) is a JSON file that ``get_device`` loads the same way.
+
+A profile may carry what was measured, and the cost model then prices with it:
+
+- ``matmul_table``: matmuls (m x k) @ (k x n) per dtype and the FLOP/s each reached. The
+  cost model reads it as achieved FLOP/s against a matmul's FLOPs (2mnk), interpolated
+  linearly in log(FLOPs) and clamped at the smallest and largest measured sizes
+  (``matmul_curve``); a dtype with no samples falls back to ``peak * matmul_efficiency``.
+- ``launch_overhead``: the shortest time any kernel takes, a floor under every op's time.
+- ``collective_fits``: alpha-beta fits per collective kind and network tier, used instead of
+  the tier's ``*_node_bw`` / ``*_node_latency`` for that kind (``collective_params``).
+
+A profile file may also hold a ``"calibration"`` object: the raw measurements and how they
+were taken, for people to read. It is checked to be an object and otherwise not used.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
 import torch
@@ -39,6 +52,35 @@ _STR_ALIASES = {
 
 GiB = 2**30
 
+TIERS = ("intra", "inter")
+
+
+@dataclass(frozen=True)
+class MatmulSample:
+    """One measured matmul: (m x k) @ (k x n) in ``dtype`` ran at ``flops_per_s`` = 2mnk / seconds."""
+
+    dtype: str
+    m: int
+    n: int
+    k: int
+    flops_per_s: float
+
+    @property
+    def flops(self) -> int:
+        """FLOPs of the matmul: 2mnk."""
+        return 2 * self.m * self.n * self.k
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """A fitted collective: on network ``tier`` ("intra" or "inter" node), ``kind`` takes
+    ring_bytes / ``bandwidth`` + ring_steps * ``latency`` seconds (see ``cost_model.comm``)."""
+
+    tier: str
+    kind: str
+    latency: float
+    bandwidth: float
+
 
 @dataclass(frozen=True)
 class DeviceSpec:
@@ -48,6 +90,8 @@ class DeviceSpec:
     "fp8" (those the device has). ``intra_node_bw`` is the per-GPU, per-direction bus
     bandwidth of the intra-node fabric; ``inter_node_bw`` the per-GPU network bandwidth
     between nodes. ``matmul_efficiency`` is the fraction of peak a large matmul reaches.
+    ``launch_overhead``, ``matmul_table`` and ``collective_fits`` hold measurements (see the
+    module docstring); the presets have none.
     """
 
     name: str
@@ -60,11 +104,20 @@ class DeviceSpec:
     inter_node_latency: float
     matmul_efficiency: float
     gpus_per_node: int = 8
+    launch_overhead: float = 0.0
+    matmul_table: tuple[MatmulSample, ...] = ()
+    collective_fits: tuple[CollectiveFit, ...] = ()
 
     def __post_init__(self) -> None:
         # A defensive copy: the spec is frozen, so a caller's dict must not be able to change it.
         object.__setattr__(self, "peak_flops", {str(k): float(v) for k, v in self.peak_flops.items()})
+        object.__setattr__(self, "matmul_table", tuple(self.matmul_table))
+        object.__setattr__(self, "collective_fits", tuple(self.collective_fits))
         _validate(self)
+        # Derived once: the planner prices thousands of ops against the same spec.
+        object.__setattr__(self, "_curves", _matmul_curves(self.matmul_table))
+        object.__setattr__(self, "_fits", {(f.tier, f.kind): (f.latency, f.bandwidth)
+                                           for f in self.collective_fits})
 
     def __hash__(self) -> int:
         # The generated hash would fail on the dict field; specs are used as cache keys.
@@ -82,10 +135,32 @@ class DeviceSpec:
                 f"it has: {', '.join(sorted(self.peak_flops))}")
         return self.peak_flops[key]
 
+    def matmul_curve(self, dtype: torch.dtype | str) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """Measured (FLOPs, achieved FLOP/s) points for ``dtype``, FLOPs increasing, or None if
+        the profile has no matmul samples of that dtype. Samples of equal FLOPs are averaged."""
+        return self._curves.get(dtype_key(dtype))
+
+    def collective_params(self, kind: str, inter_node: bool) -> tuple[float, float]:
+        """(latency, bandwidth) for collective ``kind`` on one network tier: the fitted pair
+        when the profile has one, else the tier's ``*_node_latency`` and ``*_node_bw``."""
+        tier = "inter" if inter_node else "intra"
+        if (tier, kind) in self._fits:
+            return self._fits[(tier, kind)]
+        if inter_node:
+            return self.inter_node_latency, self.inter_node_bw
+        return self.intra_node_latency, self.intra_node_bw
+
     def to_dict(self) -> dict[str, Any]:
         """The spec as a plain JSON-able dict (field name -> value)."""
-        return {f.name: (dict(getattr(self, f.name)) if f.name == "peak_flops" else getattr(self, f.name))
-                for f in fields(self)}
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "peak_flops":
+                v = dict(v)
+            elif f.name in ("matmul_table", "collective_fits"):
+                v = [asdict(x) for x in v]
+            out[f.name] = v
+        return out
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
         """Serialise to a JSON string; also write it to ``path`` when one is given."""
@@ -119,6 +194,11 @@ class DeviceSpec:
                 raise ValueError(f"{where} is not valid JSON: {e}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{where} must be a JSON object, got {type(data).__name__}")
+        data = dict(data)
+        record = data.pop("calibration", {})
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: field 'calibration' must be an object (the raw measurements), "
+                             f"got {type(record).__name__}")
         return cls(**_parse_fields(data, where))
 
 
@@ -146,7 +226,8 @@ def _freeze(v: Any) -> Any:
 
 
 _FLOAT_FIELDS = ("mem_bandwidth", "intra_node_bw", "inter_node_bw", "intra_node_latency",
-                 "inter_node_latency", "matmul_efficiency")
+                 "inter_node_latency", "matmul_efficiency", "launch_overhead")
+_OPTIONAL = ("gpus_per_node", "launch_overhead", "matmul_table", "collective_fits")
 _INT_FIELDS = ("memory_bytes", "gpus_per_node")
 
 
@@ -161,7 +242,7 @@ def _parse_fields(data: dict[str, Any], where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}; "
                          f"fields are: {', '.join(f.name for f in fields(DeviceSpec))}")
     for f in fields(DeviceSpec):
-        if f.name not in data and f.name != "gpus_per_node":
+        if f.name not in data and f.name not in _OPTIONAL:
             raise ValueError(f"{where}: missing field {f.name!r}")
     out = dict(data)
     if not isinstance(out["name"], str):
@@ -171,6 +252,8 @@ def _parse_fields(data: dict[str, Any], where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: field 'peak_flops' must be an object like "
                          f'{{"bf16": 9.89e14}}, got {pf!r}')
     for k in _FLOAT_FIELDS:
+        if k not in out:
+            continue
         if not _is_num(out[k]):
             raise ValueError(f"{where}: field {k!r} must be a number, got {out[k]!r}")
         out[k] = float(out[k])
@@ -182,7 +265,41 @@ def _parse_fields(data: dict[str, Any], where: str) -> dict[str, Any]:
         if not _is_num(v) or float(v) != int(v):
             raise ValueError(f"{where}: field {k!r} must be an integer, got {v!r}")
         out[k] = int(v)
+    if "matmul_table" in out:
+        out["matmul_table"] = _parse_records(out["matmul_table"], MatmulSample, "matmul_table", where)
+    if "collective_fits" in out:
+        out["collective_fits"] = _parse_records(out["collective_fits"], CollectiveFit, "collective_fits", where)
     return out
+
+
+def _parse_records(value: Any, cls: type, name: str, where: str) -> tuple:
+    """A JSON list of objects -> a tuple of ``cls``, naming the entry and key that is wrong."""
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: field {name!r} must be a list of objects, got {value!r}")
+    keys = [f.name for f in fields(cls)]
+    out = []
+    for i, item in enumerate(value):
+        at = f"{where}: field {name!r} [{i}]"
+        if not isinstance(item, dict):
+            raise ValueError(f"{at} must be an object with keys {', '.join(keys)}, got {item!r}")
+        wrong = sorted(set(item) ^ set(keys))
+        if wrong:
+            raise ValueError(f"{at}: missing or unknown key(s) {', '.join(wrong)}; keys are: {', '.join(keys)}")
+        kw = {}
+        for f in fields(cls):
+            v = item[f.name]
+            if f.type == "str":
+                if not isinstance(v, str):
+                    raise ValueError(f"{at}.{f.name} must be a string, got {v!r}")
+            elif f.type == "int":
+                if not _is_num(v) or float(v) != int(v):
+                    raise ValueError(f"{at}.{f.name} must be an integer, got {v!r}")
+                v = int(v)
+            elif not _is_num(v):
+                raise ValueError(f"{at}.{f.name} must be a number, got {v!r}")
+            kw[f.name] = v if f.type in ("str", "int") else float(v)
+        out.append(cls(**kw))
+    return tuple(out)
 
 
 def _validate(spec: DeviceSpec) -> None:
@@ -205,6 +322,43 @@ def _validate(spec: DeviceSpec) -> None:
     if not (_is_num(spec.matmul_efficiency) and 0 < spec.matmul_efficiency <= 1):
         raise ValueError(f"device {spec.name!r}: field 'matmul_efficiency' must be in (0, 1], "
                          f"got {spec.matmul_efficiency!r}")
+    if not (_is_num(spec.launch_overhead) and spec.launch_overhead >= 0):
+        raise ValueError(f"device {spec.name!r}: field 'launch_overhead' must be >= 0, got {spec.launch_overhead!r}")
+    for i, s in enumerate(spec.matmul_table):
+        at = f"device {spec.name!r}: field 'matmul_table' [{i}]"
+        if not isinstance(s, MatmulSample):
+            raise ValueError(f"{at} must be a MatmulSample, got {s!r}")
+        if s.dtype not in FLOP_KEYS:
+            raise ValueError(f"{at}.dtype {s.dtype!r} is not one of {', '.join(FLOP_KEYS)}")
+        if min(s.m, s.n, s.k) < 1:
+            raise ValueError(f"{at}: m, n and k must be >= 1, got {s.m}, {s.n}, {s.k}")
+        if not (_is_num(s.flops_per_s) and s.flops_per_s > 0):
+            raise ValueError(f"{at}.flops_per_s must be > 0, got {s.flops_per_s!r}")
+    seen = set()
+    for i, f in enumerate(spec.collective_fits):
+        from .comm import COLLECTIVES   # deferred: comm imports this module, and presets have no fits
+        at = f"device {spec.name!r}: field 'collective_fits' [{i}]"
+        if not isinstance(f, CollectiveFit):
+            raise ValueError(f"{at} must be a CollectiveFit, got {f!r}")
+        if f.tier not in TIERS:
+            raise ValueError(f"{at}.tier {f.tier!r} is not one of {', '.join(TIERS)}")
+        if f.kind not in COLLECTIVES:
+            raise ValueError(f"{at}.kind {f.kind!r} is not one of {', '.join(COLLECTIVES)}")
+        if not (_is_num(f.latency) and f.latency >= 0):
+            raise ValueError(f"{at}.latency must be >= 0, got {f.latency!r}")
+        if not (_is_num(f.bandwidth) and f.bandwidth > 0):
+            raise ValueError(f"{at}.bandwidth must be > 0, got {f.bandwidth!r}")
+        if (f.tier, f.kind) in seen:
+            raise ValueError(f"{at}: a second fit for {f.kind} on the {f.tier} tier; keep one")
+        seen.add((f.tier, f.kind))
+
+
+def _matmul_curves(table: tuple[MatmulSample, ...]) -> dict[str, tuple[tuple[float, ...], tuple[float, ...]]]:
+    by_dtype: dict[str, dict[int, list[float]]] = {}
+    for s in table:
+        by_dtype.setdefault(s.dtype, {}).setdefault(s.flops, []).append(s.flops_per_s)
+    return {d: (tuple(float(f) for f in sorted(pts)), tuple(math.fsum(pts[f]) / len(pts[f]) for f in sorted(pts)))
+            for d, pts in by_dtype.items()}
 
 
 # Presets. Peak numbers are dense (no 2:4 sparsity) from NVIDIA's public data sheets; latencies
@@ -253,10 +407,11 @@ DEVICES: dict[str, DeviceSpec] = {
         matmul_efficiency=0.80,
     ),
     # A modest multi-core CPU running gloo ranks on one host: both network tiers are loopback
-    # TCP, so they share one bandwidth and latency. Rough figures, not a data sheet.
+    # TCP, so they share one bandwidth and latency. Rough figures, not a data sheet: without
+    # native 16-bit matmul units, bf16 and fp16 run through conversions at about half fp32's rate.
     "cpu": DeviceSpec(
         name="cpu",
-        peak_flops={"fp32": 1e11, "bf16": 5e10},
+        peak_flops={"fp32": 1e11, "bf16": 5e10, "fp16": 5e10},
         mem_bandwidth=2e10,
         memory_bytes=24 * GiB,
         intra_node_bw=2e9,

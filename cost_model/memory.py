@@ -36,6 +36,7 @@ VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, 
 # shape, ("stats", k) k fp32 numbers per normalised row, ("lse",) fp32 per (batch, head, query)
 SAVES = {
     aten.linear.default: [("in", 0)],
+    aten.mm.default: [("in", 0)],   # GPT-2's Conv1D: x @ w with the weight a parameter
     aten.matmul.default: [("in", 0), ("in", 1)],
     aten.bmm.default: [("in", 0), ("in", 1)],
     aten.softmax.int: [("out",)],
@@ -108,7 +109,7 @@ def saved_tensors(node: Node, strategies: dict, size: int):
             pl = strategy.inputs[ins.index(arg)]
             src = strategies[arg].output if arg in strategies else pl
             steps = reshard_steps(src, pl, strategy.divergent(ins.index(arg))) if src != pl else []
-            if regathers(node.target, rule[1], src, steps):
+            if regathers(node.target, strategy, rule[1], src, steps):
                 pl = src   # the linear keeps its sequence shard and gathers again in backward
             out.append(_kept_storage(arg, pl, size))
         elif rule[0] == "out":

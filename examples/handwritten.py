@@ -71,7 +71,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from examples.gpt import GPT, CausalSelfAttention
+from autopar.examples.gpt import GPT, CausalSelfAttention
 
 __all__ = [
     "parallelize_by_hand",

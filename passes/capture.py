@@ -6,9 +6,18 @@ decomposition. Every node carries ``meta["module_path"]`` (plans speak in module
 names), parameter placeholders carry ``meta["fqn"]``, and weights tied to several
 FQNs (GPT's wte / lm_head) become one placeholder, so one tensor gets one
 placement and its gradient sums every use.
+
+A few rewrites make library models (Hugging Face GPT-2, Llama) look like that too:
+code export wrapped in a submodule (under ``torch.no_grad()`` or a disabled autocast)
+is inlined; ``addmm(b, x, w)`` (GPT-2's Conv1D) becomes ``add(mm(x, w), b)`` as linear
+biases do; ``_assert_tensor_metadata`` checks and casts that change nothing go; and
+values that depend on no input and no parameter (position ids, the causal mask, rotary
+tables) are recomputed inside every layer that uses them, so the layers stay identical
+and pipeline stages never send them.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -42,11 +51,26 @@ def _module_path(node: Node) -> str:
     return path.replace("L['self'].", "").replace("L['self']", "")
 
 
-def capture_pass(model: torch.nn.Module, example_inputs: tuple) -> Captured:
-    """Export ``model(*example_inputs)`` to an FX graph annotated for planning."""
+def capture_pass(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None) -> Captured:
+    """Export ``model(*example_inputs)`` to an FX graph annotated for planning (a long run of
+    identical layers is traced as 2 and 3 layers and repeated: ``passes.block_capture``).
+
+    ``dynamic_shapes`` (torch.export's) keeps sizes symbolic in ``meta["val"]`` and traces the
+    whole model; the graph is otherwise the static one (``_fold_sizes``)."""
+    from autopar.passes.block_capture import canonical_names, capture_repeated
+
+    if dynamic_shapes is not None:
+        return canonical_names(_export(model, example_inputs, dynamic_shapes))
+    cap = capture_repeated(model, example_inputs, _export)
+    return cap if cap is not None else canonical_names(_export(model, example_inputs))
+
+
+def _export(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None) -> Captured:
     with torch.no_grad():
-        ep = torch.export.export(model, tuple(example_inputs), strict=False)
+        ep = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=False)
     gm = ep.graph_module
+    if dynamic_shapes is not None:
+        _fold_sizes(gm)
     sig = ep.graph_signature
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     by_name = {n.name: n for n in placeholders}
@@ -83,14 +107,55 @@ def capture_pass(model: torch.nn.Module, example_inputs: tuple) -> Captured:
         else:
             raise NotImplementedError(f"autopar: unsupported graph input {spec.kind} ({spec.target})")
 
+    _inline_wrappers(gm)
     for node in gm.graph.nodes:
         node.meta["module_path"] = _module_path(node)
+    _drop_assertions(gm)
+    _drop_identity_casts(gm)
     _split_linear_bias(gm)
+    _split_addmm_bias(gm)
+    _constants_per_layer(gm)
     gm.graph.lint()
     gm.recompile()
     out = next(n for n in gm.graph.nodes if n.op == "output")
     loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
     return Captured(gm, params, {k: v for k, v in aliases.items() if v}, inputs, buffers, loss)
+
+
+def _is_size(node) -> bool:
+    return (isinstance(node, Node) and node.op == "call_function"
+            and isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)))
+
+
+def _fold_sizes(gm: GraphModule) -> None:
+    """Make a dynamic-shape export the graph a static export has: sizes computed from the inputs
+    (``sym_size`` nodes feeding view, arange, slice) become their example values, so the nodes,
+    their names and their plans are the same. A node that took such a size keeps it in
+    ``meta["sizes"]``: its flattened (args, kwargs) leaves, the size's SymInt where one was, else
+    None, so a cost model can put the node's arguments at other sizes."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or _is_size(node):
+            continue
+        leaves, spec = tree_flatten((node.args, node.kwargs))
+        if not any(_is_size(a) for a in leaves):
+            continue
+        node.meta["sizes"] = [a.meta["val"] if _is_size(a) else None for a in leaves]
+        node.args, node.kwargs = tree_unflatten([_example_value(a) if _is_size(a) else a for a in leaves], spec)
+    for node in reversed(list(gm.graph.nodes)):
+        # the sizes, and the runtime checks on them (which have no output)
+        if node.op == "call_function" and not node.users and (_is_size(node) or (
+                node.meta.get("val") is None and node.all_input_nodes and all(map(_is_size, node.all_input_nodes)))):
+            gm.graph.erase_node(node)
+
+
+def _example_value(node: Node):
+    hint = node.meta["val"].node.hint
+    if hint is None:
+        raise NotImplementedError(f"autopar: the size {node.name} = {node.meta['val']} depends on tensor values, "
+                                  "not only on input shapes; this model cannot be captured with dynamic shapes")
+    return hint
 
 
 def _split_linear_bias(gm: GraphModule) -> None:
@@ -104,3 +169,148 @@ def _split_linear_bias(gm: GraphModule) -> None:
             node.args = (x, w)
             add.meta.update(val=node.meta["val"], module_path=node.meta.get("module_path", ""),
                             nn_module_stack=node.meta.get("nn_module_stack"))
+
+
+def _wrapped(node: Node):
+    """(grad enabled, submodule node, operands) of a grad-mode or disabled-autocast wrapper, else None."""
+    hop = torch.ops.higher_order
+    if node.target is getattr(hop, "wrap_with_set_grad_enabled", None):
+        return node.args[0], node.args[1], node.args[2:]
+    if node.target is getattr(hop, "wrap_with_autocast", None) and not node.args[2]:
+        return True, node.args[4], node.args[5:]
+    return None
+
+
+def _inline_wrappers(gm: GraphModule) -> None:
+    """Inline the submodules torch.export wraps code under ``torch.no_grad()`` or a disabled autocast
+    in (Hugging Face 4.x's rotary embedding): the rewrite places aten ops, not submodules. What ran
+    without grad is detached, so no gradient flows through it now either."""
+    while True:
+        node = next((n for n in gm.graph.nodes if n.op == "call_function" and _wrapped(n)), None)
+        if node is None:
+            return
+        grad, sub, operands = _wrapped(node)
+        body = getattr(gm, sub.target)
+        env = dict(zip((b for b in body.graph.nodes if b.op == "placeholder"), operands))
+        with gm.graph.inserting_before(node):
+            for b in body.graph.nodes:
+                if b.op == "get_attr":   # a wrapper nested in the body: its submodule moves up
+                    name = f"{sub.target}_{b.target}"
+                    gm.add_submodule(name, getattr(body, b.target))
+                    env[b] = gm.graph.get_attr(name)
+                elif b.op == "call_function":
+                    env[b] = gm.graph.node_copy(b, env.__getitem__)
+                    env[b].meta.setdefault("nn_module_stack", node.meta.get("nn_module_stack"))
+                elif b.op == "output":
+                    outs = [env[o] for o in b.args[0]]
+            if not grad:
+                outs = [_detached(gm, o) for o in outs]
+        for user in list(node.users):   # the wrapper's results are taken by getitem
+            user.replace_all_uses_with(outs[user.args[1]])
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        if not sub.users:
+            gm.graph.erase_node(sub)
+            gm.delete_submodule(sub.target)
+
+
+def _detached(gm: GraphModule, value: Node) -> Node:
+    out = gm.graph.call_function(aten.detach.default, (value,))
+    out.meta.update(val=value.meta.get("val"), nn_module_stack=value.meta.get("nn_module_stack"))
+    return out
+
+
+def _drop_assertions(gm: GraphModule) -> None:
+    """Remove dtype/device assertions on intermediate values: the rewrite keeps both, and a
+    node without an output cannot be given a placement."""
+    for node in list(gm.graph.nodes):
+        if node.target is aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+
+
+_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default}
+
+
+def _drop_identity_casts(gm: GraphModule) -> None:
+    """Remove casts that change nothing in the captured graph. They come from dtype-generic code
+    (``x.to(input_dtype)``, ``x.to(device)``); kept, they would pin the captured fp32 when the
+    plan computes at 16 bits, and the next op would mix dtypes."""
+    for node in list(gm.graph.nodes):
+        if node.target not in _CASTS or not isinstance(node.args[0], Node):
+            continue
+        src, out = node.args[0].meta.get("val"), node.meta.get("val")
+        if (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.dtype == out.dtype
+                and src.device == out.device and src.layout == out.layout):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+
+
+def _split_addmm_bias(gm: GraphModule) -> None:
+    """addmm(b, x, w) -> add(mm(x, w), b): GPT-2's Conv1D is a linear with a [in, out] weight."""
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.addmm.default or node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+            continue
+        b, x, w = node.args[:3]
+        with gm.graph.inserting_before(node):
+            mm = gm.graph.call_function(aten.mm.default, (x, w))
+            add = gm.graph.call_function(aten.add.Tensor, (mm, b))
+        for new in (mm, add):
+            new.meta.update(val=node.meta["val"], module_path=node.meta.get("module_path", ""),
+                            nn_module_stack=node.meta.get("nn_module_stack"))
+        node.replace_all_uses_with(add)
+        gm.graph.erase_node(node)
+
+
+def input_free(graph: torch.fx.Graph) -> set[Node]:
+    """The nodes that depend on no user input and no parameter: buffers, and the (not random)
+    ops on buffers and shapes only, such as position ids, causal masks and rotary tables."""
+    found: set[Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" and node.meta.get("kind") == "buffer":
+            found.add(node)
+        elif (node.op == "call_function" and all(i in found for i in node.all_input_nodes)
+              and torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())):
+            found.add(node)
+    return found
+
+
+_LAYER = re.compile(r"^.*?\.\d+(?=\.|$)")
+
+
+def _layer(node: Node) -> str | None:
+    m = _LAYER.match(node.meta.get("module_path") or "")
+    return m.group(0) if m else None
+
+
+def _constants_per_layer(gm: GraphModule) -> None:
+    """Recompute, inside each layer (``...h.3``, ``...layers.3``), every value it uses that depends
+    on no user input and no parameter (only on buffers and shapes), instead of taking it from
+    outside: identical layers stay identical, and a stage cut never has to send such values
+    (a boolean causal mask cannot be sent)."""
+    constant = input_free(gm.graph)
+    copies: dict[tuple[str, Node], Node] = {}
+
+    def local(value: Node, layer: str, before: Node) -> Node:
+        if value.op != "call_function":
+            return value
+        if (layer, value) not in copies:
+            args = {i: local(i, layer, before) for i in value.all_input_nodes}
+            with gm.graph.inserting_before(before):
+                copy = gm.graph.node_copy(value, args.__getitem__)
+            copy.meta["module_path"] = layer
+            copies[(layer, value)] = copy
+        return copies[(layer, value)]
+
+    replaced: set[Node] = set()
+    for node in list(gm.graph.nodes):
+        layer = _layer(node) if node.op == "call_function" else None
+        if layer is None:
+            continue
+        for value in node.all_input_nodes:
+            if value in constant and value.op == "call_function" and _layer(value) != layer:
+                node.replace_input_with(value, local(value, layer, node))
+                replaced.add(value)
+    for node in reversed(list(gm.graph.nodes)):   # the originals no one uses any more
+        if node in replaced and not node.users:
+            replaced.update(i for i in node.all_input_nodes if i.op == "call_function")
+            gm.graph.erase_node(node)

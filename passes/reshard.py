@@ -57,12 +57,32 @@ def step_collectives(steps, is_float: bool):
     return out
 
 
-def regathers(consumer_target, slot: int, src: Placement, steps) -> bool:
-    """Whether a linear gathers this input itself and keeps only the shard for backward.
-
-    Megatron's sequence-parallel linear: its input arrives sequence-sharded, is all-gathered
-    forward, and all-gathered again in backward instead of kept whole (one more all-gather,
-    (t-1)/t less activation memory)."""
+def can_regather(consumer_target, slot: int, src: Placement, steps) -> bool:
+    """Whether this input of a linear arrives by a sequence all-gather, so that the linear may
+    gather it itself and keep only the shard for backward (Megatron's storage rule)."""
     import torch
     return (consumer_target is torch.ops.aten.linear.default and slot == 0
             and isinstance(src, Shard) and src.interleave == 1 and [s for s, _ in steps] == ["gather_reduce"])
+
+
+def regather_candidate(node, strategies) -> bool:
+    """Whether ``node`` is a linear whose input arrives by a sequence all-gather (Megatron's
+    storage rule may apply to it: see ``passes.reshard.regathers``)."""
+    import torch
+
+    from autopar.passes.rules import is_float
+
+    if node.op != "call_function" or node.target is not torch.ops.aten.linear.default or node.args[0] is node.args[1]:
+        return False
+    x, s = node.args[0], strategies[node]
+    steps = reshard_steps(strategies[x].output, s.inputs[0], s.divergent(0) and is_float(x))
+    return can_regather(node.target, 0, strategies[x].output, steps)
+
+
+def regathers(consumer_target, strategy, slot: int, src: Placement, steps) -> bool:
+    """Whether a linear running ``strategy`` gathers this input again in backward.
+
+    Megatron's sequence-parallel linear: its input arrives sequence-sharded, is all-gathered
+    forward, and all-gathered again in backward instead of kept whole: one more all-gather
+    for (t-1)/t less activation memory. A memory decision, so off unless the plan turns it on."""
+    return strategy.regather and can_regather(consumer_target, slot, src, steps)

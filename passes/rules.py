@@ -14,6 +14,11 @@ gradient). ``Strategy.divergent`` names those inputs.
 Dims carry labels ("batch", "seq", "other", see ``dim_labels``): the tp axis never
 shards a batch dim (that is the dp axis's job), and sequence parallelism is
 exactly the freedom to shard "seq" dims.
+
+A value that depends on no user input and no parameter (position ids, a causal mask,
+rotary tables: functions of shapes and buffers only) is computed whole on every rank,
+whatever its op: it costs little, and no rule is needed for the integer and boolean
+ops that build masks.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
+from autopar.passes.capture import input_free
 from autopar.placement import P, R, Placement, Shard
 
 aten = torch.ops.aten
@@ -37,6 +43,7 @@ class Strategy:
     divisor: int = 1
     comm: tuple[tuple[str, str], ...] = ()   # (collective kind, what it carries) inside the op
     local: str | None = None
+    regather: bool = False   # a sequence-parallel linear keeps its input's shard (see reshard.regathers)
 
     @property
     def replicated(self) -> bool:
@@ -48,7 +55,8 @@ class Strategy:
 
     def __str__(self) -> str:
         ins = ", ".join(map(str, self.inputs))
-        return f"({ins}) -> {self.output}" + (f" [{self.local}]" if self.local else "")
+        tags = [t for t in (self.local, "regather" if self.regather else None) if t]
+        return f"({ins}) -> {self.output}" + "".join(f" [{t}]" for t in tags)
 
 
 @dataclass
@@ -58,6 +66,13 @@ class RuleContext:
     size: int
     interleaves: tuple[int, ...] = (1,)
     labels: dict = field(default_factory=dict)   # Node -> tuple of dim labels
+    _constants: dict = field(default_factory=dict, repr=False)   # Graph -> its input-free nodes
+
+    def constant(self, node: Node) -> bool:
+        """Whether ``node`` depends on no user input and no parameter (only on buffers and shapes)."""
+        if node.graph not in self._constants:
+            self._constants[node.graph] = input_free(node.graph)
+        return node in self._constants[node.graph]
 
     def shardable(self, node: Node, dim: int, *, exact: bool = True) -> bool:
         """Whether ``dim`` of ``node``'s output may be sharded (``exact``: without padding)."""
@@ -71,7 +86,9 @@ def shape(node: Node) -> tuple[int, ...]:
     val = node.meta["val"]
     if isinstance(val, (list, tuple)):
         val = val[0]
-    return tuple(val.shape)
+    if node.meta.get("shape_of") is not val:   # a fake tensor's .shape is slow to read
+        node.meta["shape"], node.meta["shape_of"] = tuple(val.shape), val
+    return node.meta["shape"]
 
 
 def is_float(node: Node) -> bool:
@@ -98,6 +115,8 @@ def replicate_only(node: Node, ctx: RuleContext) -> list[Strategy]:
 
 def strategies_for(node: Node, ctx: RuleContext) -> list[Strategy]:
     """All strategies of one call_function node; an op without a rule stays replicated."""
+    if ctx.constant(node):
+        return replicate_only(node, ctx)
     fn = RULES.get(node.target)
     if fn is None:
         where = node.meta.get("module_path") or "<top level>"
@@ -118,7 +137,7 @@ POINTWISE = [
     aten.sigmoid.default, aten.add.Scalar, aten.mul.Scalar, aten._to_copy.default,
     aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
     aten.to.dtype, aten.type_as.default, aten.bitwise_not.default, aten.eq.Scalar,
-    aten.masked_fill.Scalar,
+    aten.masked_fill.Scalar, aten.to.dtype_layout, aten.to.device, aten.cos.default, aten.sin.default,
 ]
 
 
@@ -127,7 +146,7 @@ ZERO_PRESERVING = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.gelu.
                    aten.dropout.default, aten.relu.default, aten.silu.default, aten.tanh.default,
                    aten.neg.default, aten.mul.Scalar, aten._to_copy.default, aten.clone.default,
                    aten.contiguous.default, aten.alias.default, aten.detach.default, aten.to.dtype,
-                   aten.type_as.default}
+                   aten.type_as.default, aten.to.dtype_layout, aten.to.device, aten.sin.default}
 
 
 @rule(*POINTWISE)
@@ -213,9 +232,11 @@ def view(node: Node, ctx: RuleContext) -> list[Strategy]:
     return out
 
 
-def _permuted(node: Node, ctx: RuleContext, perm: list[int]) -> list[Strategy]:
+def _permuted(node: Node, ctx: RuleContext, perm: list[int], skip: int | None = None) -> list[Strategy]:
+    """Output dim e is input dim perm[e] (``skip``: an output dim no input dim maps to)."""
     out = [Strategy((R,), R), Strategy((P,), P)]
-    for e, d in enumerate(perm):
+    outs = [e for e in range(len(shape(node))) if e != skip]
+    for e, d in zip(outs, perm):
         if ctx.shardable(node.args[0], d, exact=False):
             out += [Strategy((Shard(d, k),), Shard(e, k)) for k in ctx.interleaves
                     if shape(node)[e] % k == 0]
@@ -240,6 +261,50 @@ def permute(node: Node, ctx: RuleContext) -> list[Strategy]:
 @rule(aten.t.default)
 def t(node: Node, ctx: RuleContext) -> list[Strategy]:
     return _permuted(node, ctx, list(reversed(range(len(shape(node))))))
+
+
+@rule(aten.unsqueeze.default)
+def unsqueeze(node: Node, ctx: RuleContext) -> list[Strategy]:
+    """A new size-1 dim: the input's dims keep their shards, shifted past it."""
+    n = len(shape(node))
+    new = node.args[1] % n
+    return _permuted(node, ctx, list(range(n - 1)), skip=new)
+
+
+@rule(aten.expand.default)
+def expand(node: Node, ctx: RuleContext) -> list[Strategy]:
+    """Input dims align right with the output's; a dim that is broadcast (1 -> n) stays whole."""
+    src, out = shape(node.args[0]), shape(node)
+    lead = len(out) - len(src)
+    res = [Strategy((R,), R), Strategy((P,), P)]
+    for d in range(len(src)):
+        if src[d] == out[d + lead] and ctx.shardable(node.args[0], d, exact=False):
+            res += [Strategy((Shard(d, k),), Shard(d + lead, k)) for k in ctx.interleaves if src[d] % k == 0]
+    return res
+
+
+@rule(aten.cat.default)
+def cat(node: Node, ctx: RuleContext) -> list[Strategy]:
+    """Concatenation along one dim: every other dim may be sharded alike in all inputs."""
+    ins = node.all_input_nodes
+    out = shape(node)
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(out)
+    res = [Strategy(tuple(R for _ in ins), R), Strategy(tuple(P for _ in ins), P)]
+    for d in range(len(out)):
+        if d != dim and ctx.shardable(node, d, exact=False):
+            res += [Strategy(tuple(Shard(d, k) for _ in ins), Shard(d, k)) for k in ctx.interleaves
+                    if out[d] % k == 0]
+    return res
+
+
+@rule(aten.pad.default)
+def pad(node: Node, ctx: RuleContext) -> list[Strategy]:
+    """Padding touches its last len(pad)/2 dims; the others may be sharded (evenly: the pad value
+    would otherwise land in a shard's padding)."""
+    out = shape(node)
+    padded = len(node.args[1]) // 2
+    return [Strategy((R,), R)] + [Strategy((Shard(d),), Shard(d)) for d in range(len(out) - padded)
+                                  if ctx.shardable(node, d)]
 
 
 @rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
@@ -288,6 +353,33 @@ def linear(node: Node, ctx: RuleContext) -> list[Strategy]:
     # No token-parallel strategy (tokens sharded, weight replicated): that is data
     # parallelism with a weight-gradient all-reduce, the dp axis's job. Sequence
     # parallelism shards only the norm/dropout/residual regions between linears.
+    return out
+
+
+@rule(aten.mm.default)
+def mm(node: Node, ctx: RuleContext) -> list[Strategy]:
+    """y = x @ w with w stored [in, out] (GPT-2's Conv1D): the linear rule with the weight's dims swapped."""
+    k_in, n_out = shape(node.args[1])
+    out = [Strategy((R, R), R)]
+    for k in ctx.interleaves:   # column parallel
+        if n_out % k == 0 and (k == 1 or (n_out // k) % ctx.size == 0) and n_out >= ctx.size:
+            out.append(Strategy((R, Shard(1, k)), Shard(1, k), ctx.size))
+    if k_in >= ctx.size:        # row parallel
+        out.append(Strategy((Shard(1), Shard(0)), P, ctx.size))
+    return out
+
+
+@rule(aten.mean.dim)
+def mean(node: Node, ctx: RuleContext) -> list[Strategy]:
+    """A mean over some dims (RMSNorm's): the other dims may be sharded; it is linear, so P passes."""
+    src = shape(node.args[0])
+    dims = {d % len(src) for d in node.args[1]} if node.args[1] else set(range(len(src)))
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    out = [Strategy((R,), R), Strategy((P,), P)]
+    for d in range(len(src)):
+        if d not in dims and ctx.shardable(node.args[0], d, exact=False):
+            e = d if keep else d - sum(1 for r in dims if r < d)
+            out.append(Strategy((Shard(d),), Shard(e), ctx.size))
     return out
 
 
@@ -429,12 +521,20 @@ def _label(node: Node, labels: dict) -> tuple[str, ...]:
         return tuple(res)
     if tgt == aten.permute.default and lab:
         return tuple(lab[d % len(out)] for d in node.args[1])
+    if tgt == aten.unsqueeze.default and lab:
+        new = node.args[1] % len(out)
+        return lab[:new] + ("other",) + lab[new:]
+    if tgt == aten.mean.dim and lab and not (node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim")):
+        dims = {d % len(lab) for d in node.args[1]} if node.args[1] else set(range(len(lab)))
+        return tuple(name for d, name in enumerate(lab) if d not in dims)
     if tgt in (aten.linear.default,) and lab:
         return lab[:-1] + ("other",)
     if tgt in (aten.matmul.default, aten.bmm.default) and lab:
         return lab[:-1] + labels.get(node.args[1], ("other",))[-1:]
     if tgt == operator.getitem:
         return lab
+    if tgt == aten.scaled_dot_product_attention.default:
+        return lab   # laid out as the query; the mask's (query, key) positions must not leak into it
     # elementwise and everything else: right-aligned broadcast of the inputs' labels
     res = ["other"] * len(out)
     for i in node.all_input_nodes:

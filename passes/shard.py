@@ -11,7 +11,7 @@ from torch.fx.node import map_arg
 
 from autopar import collectives as C
 from autopar import ops
-from autopar.passes.reshard import regathers, reshard_steps
+from autopar.passes.reshard import regather_candidate, reshard_steps
 from autopar.passes.rules import Strategy, is_float, shape
 from autopar.placement import R, Shard, local_shape, padded_size
 
@@ -77,13 +77,8 @@ def shard_pass(gm: GraphModule, strategies: dict[Node, Strategy], *, size: int, 
 
 
 def _regathered(node: Node, strategies) -> bool:
-    """A linear whose input is all-gathered from sequence shards gathers it itself (see regathers)."""
-    if node.target is not aten.linear.default or node.args[0] is node.args[1]:
-        return False
-    x = node.args[0]
-    s = strategies[node]
-    steps = reshard_steps(strategies[x].output, s.inputs[0], s.divergent(0) and is_float(x))
-    return regathers(node.target, 0, strategies[x].output, steps)
+    """A linear told to gather its sequence-sharded input itself (see reshard.regathers)."""
+    return node.op == "call_function" and strategies[node].regather and regather_candidate(node, strategies)
 
 
 def _emit_step(g: Graph, step: str, x: Node, src, dst, full_shape, me: _Rank) -> Node:
@@ -107,7 +102,8 @@ def _localize(node: Node, s: Strategy, args, kwargs, me: _Rank):
     target = node.target
     if s.local == "vocab_parallel_embedding":
         rows = padded_size(shape(node.args[0])[0], me.size)
-        return ops.vocab_parallel_embedding, (args[0], args[1], me.rank * rows), {}
+        padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
+        return ops.vocab_parallel_embedding, (args[0], args[1], me.rank * rows, padding_idx), {}
     if s.local == "vocab_parallel_cross_entropy":
         vocab = shape(node.args[0])[1]
         cols = padded_size(vocab, me.size)
@@ -118,6 +114,9 @@ def _localize(node: Node, s: Strategy, args, kwargs, me: _Rank):
     if target in _RESHAPES:
         args = list(args)
         args[1] = list(local_shape(shape(node), s.output, me.size))
+        # export drops a .contiguous() that was a no-op at trace time; a shard's kernels may lay
+        # out their outputs differently, so a view may not apply where reshape (a copy then) does
+        target = aten.reshape.default if target is aten.view.default else target
     elif target in _SPLITS and isinstance(s.output, Shard):
         dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % len(shape(node.args[0]))
         if s.output.dim == dim:

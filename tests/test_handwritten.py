@@ -43,8 +43,8 @@ def _run_case(dp, tp, sp, opts):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from examples.gpt import GPT, GPTConfig, example_inputs
-    from examples.handwritten import (full_state_dict_by_hand, local_batch_by_hand,
+    from autopar.examples.gpt import GPT, GPTConfig, example_inputs
+    from autopar.examples.handwritten import (full_state_dict_by_hand, local_batch_by_hand,
                                       parallelize_by_hand, train_step_by_hand)
 
     opts = dict(opts)

@@ -15,7 +15,7 @@ STEPS = 10
 CASES = {
     2: [((1, 1, 2), dict(plan="megatron", sequence_parallel=False)),
         ((1, 1, 2), dict(plan="megatron", sequence_parallel=True)),
-        ((1, 1, 2), dict(plan="auto", device="h100", memory_budget=2_000_000)),
+        ((1, 1, 2), dict(plan="auto", device="h100", memory_budget=400_000)),
         ((2, 1, 1), dict(plan="auto")),
         ((2, 1, 1), dict(plan="auto", zero=1))],
     4: [((1, 1, 4), dict(plan="megatron", sequence_parallel=False)),

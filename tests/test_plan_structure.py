@@ -45,7 +45,7 @@ def _count(gm):
     return Counter(k for n in gm.graph.nodes for k, op in FUNCOL.items() if n.target is op)
 
 
-def _rank_graphs(rank, world, sp):
+def _rank_graphs(rank, world, sp, budget):
     from torch._dynamo.backends.common import aot_autograd
     from functorch.compile import make_boxed_func
 
@@ -59,7 +59,7 @@ def _rank_graphs(rank, world, sp):
 
     idx, tgt = example_inputs(TINY, BATCH, SEQ)
     pm = autopar.parallelize(make_model(), (1, 1, world), (idx, tgt), plan="megatron", sequence_parallel=sp,
-                             compile=aot_autograd(fw_compiler=keep("fwd"), bw_compiler=keep("bwd")))
+                             memory_budget=budget, compile=aot_autograd(fw_compiler=keep("fwd"), bw_compiler=keep("bwd")))
     pm.train_step(idx, tgt)
     planned = {ph: Counter() for ph in ("fwd", "bwd")}
     per_layer = {ph: Counter() for ph in ("fwd", "bwd")}
@@ -70,22 +70,25 @@ def _rank_graphs(rank, world, sp):
     return graphs, planned, per_layer
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_collectives_in_compiled_graphs(sp):
+@pytest.mark.parametrize("sp,budget", [(False, None), (True, None), (True, "0.3MiB")],
+                         ids=["tp", "tp+sp", "tp+sp+regather"])
+def test_collectives_in_compiled_graphs(sp, budget):
     """The functional collectives AOTAutograd put in each rank's forward and backward graphs are
     the plan's, and a transformer layer holds Megatron's: 2 all-reduces each way without sequence
-    parallelism; with it, 2 all-gathers and 2 reduce-scatters each way (plus the re-gathers)."""
-    for graphs, planned, layer in spawn(_rank_graphs, 2, sp, timeout=300):
+    parallelism; with it, 2 all-gathers and 2 reduce-scatters each way (plus the re-gathers when
+    memory is short)."""
+    for graphs, planned, layer in spawn(_rank_graphs, 2, sp, budget, timeout=300):
         assert graphs["fwd"] == planned["fwd"] and graphs["bwd"] == planned["bwd"]
         if not sp:
             assert layer["fwd"] == {"all_reduce": 2} and layer["bwd"] == {"all_reduce": 2}
-        else:
-            assert layer["fwd"] == {"all_gather": 2, "reduce_scatter": 2}
-            # the column-parallel linears keep their sequence shard and gather it again
-            # backward (Megatron's storage rule: 2 more all-gathers); the norms' weights and
-            # biases and the row-parallel biases see sequence shards, so their (small)
-            # gradients are all-reduced: 2 x 2 + 2
-            assert layer["bwd"] == {"all_gather": 4, "reduce_scatter": 2, "all_reduce": 6}
+            continue
+        assert layer["fwd"] == {"all_gather": 2, "reduce_scatter": 2}
+        # the norms' weights and biases and the row-parallel biases see sequence shards, so
+        # their (small) gradients are all-reduced: 2 x 2 + 2. Over the memory budget the
+        # column-parallel linears keep their sequence shard and gather it again backward
+        # (Megatron's storage rule: 2 more all-gathers).
+        regathers = 2 if budget else 0
+        assert layer["bwd"] == {"all_gather": 2 + regathers, "reduce_scatter": 2, "all_reduce": 6}
 
 
 def _inductor_run(rank, world):

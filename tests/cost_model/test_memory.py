@@ -7,7 +7,7 @@ import torch
 from autopar.api import decide
 from autopar.cost_model.memory import activation_bytes, attention_core
 from autopar.examples.gpt import build
-from autopar.planner import find_blocks
+from autopar.planner import find_blocks, with_regather
 
 
 def _per_layer(s, b, h, a, t, sp, selective, attention="explicit"):
@@ -17,6 +17,8 @@ def _per_layer(s, b, h, a, t, sp, selective, attention="explicit"):
     inputs = tuple(torch.empty(b, s, dtype=torch.long, device="meta") for _ in range(2))
     cap, strategies, _ = decide(model, (1, 1, t), inputs, plan="megatron" if t > 1 else "auto",
                                 sequence_parallel=sp)
+    if sp:   # the paper's sequence-parallel rows keep the linears' inputs sharded
+        strategies = with_regather(strategies)
     block = find_blocks(cap)[0]
     regions = [attention_core(block)] if selective else []
     return activation_bytes(block, strategies, t, regions) / (s * b * h)

@@ -1,8 +1,9 @@
 """Every sharding rule, checked by brute force against the unsharded op on a gloo group.
 
 For every call_function node of a few captured graphs (the tiny GPT with an even and
-an uneven vocabulary, an op zoo exported from a small module, and a hand-built graph
-for ops torch.export does not emit) and every strategy its rule offers, a one-op FX
+an uneven vocabulary, an op zoo exported from a small module, the layer ops of Hugging
+Face GPT-2 and Llama written out in a small module, and a hand-built graph for ops
+torch.export does not emit) and every strategy its rule offers, a one-op FX
 graph is built (placeholders for the op's inputs, the op, its getitems for a split,
 output), given the strategy under test with placeholders placed as the strategy's
 inputs, rewritten by ``shard_pass`` into each rank's local graph (which reshards the
@@ -231,6 +232,37 @@ def _zoo() -> Captured:
     return capture_pass(_Zoo(), (torch.randn(BATCH, SEQ, 16), torch.rand(BATCH, SEQ, 16) + 0.5))
 
 
+class _Library(nn.Module):
+    """The ops of Hugging Face GPT-2 and Llama layers (written out, so no transformers needed):
+    Conv1D's addmm with an [in, out] weight, rotary embedding, RMSNorm, repeat_kv of
+    grouped-query attention, the label shift, an embedding with a padding row."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 24))
+        self.b = nn.Parameter(torch.randn(24))
+        self.emb = nn.Embedding(10, 16, padding_idx=0)
+        self.norm = nn.Parameter(torch.ones(16))
+
+    def forward(self, x, ids, labels):
+        h = torch.addmm(self.b, x.view(-1, 16), self.w).view(BATCH, SEQ, 24)
+        q = h.view(BATCH, SEQ, 4, 6).transpose(1, 2)
+        rot = torch.cat([-q[..., 3:], q[..., :3]], dim=-1)
+        q = q * torch.cos(q) + rot * torch.sin(q)
+        n = self.norm * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        rep = q[:, :2, None].expand(BATCH, 2, 2, SEQ, 6).reshape(BATCH, 4, SEQ, 6)
+        shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        wide = x.to("cpu", torch.float64)
+        loss = F.cross_entropy(F.linear(n, self.emb.weight).reshape(-1, 10), shifted.reshape(-1))
+        return loss + (q * rep).sum() + x.mean(dim=[1]).sum() + self.emb(ids).sum() + x.type_as(wide).sum()
+
+
+def _library() -> Captured:
+    torch.manual_seed(0)
+    return capture_pass(_Library(), (torch.randn(BATCH, SEQ, 16), torch.randint(0, 10, (BATCH, SEQ)),
+                                     torch.randint(0, 10, (BATCH, SEQ))))
+
+
 def _hand() -> Captured:
     """Ops with rules that torch.export does not emit for ordinary code, built by hand."""
     g = Graph()
@@ -247,7 +279,9 @@ def _hand() -> Captured:
             op(aten.alias.default, x), op(aten._unsafe_view.default, x, [BATCH * SEQ, 16]),
             op(aten.dropout.default, x, 0.0, True), op(aten.gelu.default, x, approximate="tanh"),
             op(aten.arange.default, SEQ), op(aten.arange.start, 2, 2 + SEQ),
-            op(aten.empty.memory_format, [16]), op(aten.ones.default, [16])]
+            op(aten.empty.memory_format, [16]), op(aten.ones.default, [16]),
+            op(aten.to.dtype_layout, x, dtype=torch.float64, layout=torch.strided, device=torch.device("cpu")),
+            op(aten.pad.default, x, [0, 2], "constant", 0.5)]
     xt = op(aten.transpose.int, x, 1, 2)
     outs += [op(aten.bmm.default, x, xt), op(aten._softmax.default, x, -1, False),
              op(aten.log_softmax.int, x, -1), op(aten._log_softmax.default, x, -1, False),
@@ -261,7 +295,7 @@ def _hand() -> Captured:
 
 
 SOURCES = {"gpt96": lambda: _gpt(96), "gpt95": lambda: _gpt(95), "gptx": lambda: _gpt(96, "explicit"),
-           "zoo": _zoo, "hand": _hand}
+           "zoo": _zoo, "library": _library, "hand": _hand}
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,179 @@
+"""Compute/communication overlap in the per-rank graphs, through Inductor's own reordering passes.
+
+Every collective autopar inserts is a functional collective: an asynchronous launch and a separate
+``wait_tensor``. Inductor keeps the two apart, so its scheduler may issue a launch early and sink its
+wait below compute that does not need the result; in a tensor-parallel backward, for instance, the
+all-reduce of a column-parallel linear's input gradient can run behind the weight-gradient matmul.
+Inductor ships those passes switched off. This module switches them on for the graphs autopar
+compiles, without touching ``parallelize``: its ``compile=`` argument takes a torch.compile backend,
+and ``overlap_backend()`` is one::
+
+    pm = autopar.parallelize(model, (1, 1, 2), (idx, tgt), compile=overlap_backend())
+
+or, around whatever compiles (the first ``train_step``: torch.compile compiles on first call)::
+
+    with overlap():
+        pm.train_step(idx, tgt)
+
+Modes (``mode=``), with the Inductor config names each sets. Every name is looked up in this torch's
+own config key list (and each pass in ``torch._inductor.comms``) first, and a missing one is an
+error naming it, so a torch without a knob fails loudly instead of silently not overlapping. The
+names are read from torch 2.13's ``torch/_inductor/config.py`` and ``comms.py``; torch 2.11 (the
+GPU machines) was not at hand to read, which is why every name is checked where it is used:
+
+- ``"scheduler"`` (default): ``reorder_for_compute_comm_overlap=True`` with
+  ``reorder_for_compute_comm_overlap_passes = ["sink_waits", "raise_comms",
+  "reorder_compute_for_overlap"]``: launches move up, waits move down, and independent compute
+  (the weight-gradient matmuls of a tensor-parallel backward) is scheduled between them. Runs on both
+  of Inductor's backends (C++ on CPU, Triton on GPU). It may keep more buffers alive at once.
+- ``"peak-memory"``: the same switch with the pass list torch 2.13's config recommends,
+  ``reorder_communication_preserving_peak_memory``, ``sink_waits_iterative``,
+  ``reorder_communication_preserving_peak_memory``: launches and waits move only as far as peak
+  memory allows, and compute is not reordered among itself, so less is hidden.
+- ``"fx"``: ``aten_distributed_optimizations.enable_overlap_scheduling=True``, the newer FX-level
+  overlap scheduler (with ``collective_bucketing`` when ``bucket=True``). It estimates runtimes with
+  Triton, so it is GPU only: on the CPU build it fails with ``No module named 'triton'``.
+
+Measured on torch 2.13 CPU (gloo, tp=2, a one-block GPT): off, every wait follows its launch
+directly; "peak-memory" puts small elementwise kernels in between; "scheduler" also moves four
+weight-gradient matmuls behind the last all-reduce of the backward.
+
+``bucket=True`` also sets those of ``bucket_all_reduces_fx``, ``bucket_reduce_scatters_fx`` and
+``bucket_all_gathers_fx`` this torch has to ``"all"`` (at least one must exist; merge independent collectives into one launch). Tensor
+parallelism's collectives mostly depend on each other in sequence, so bucketing helps little there
+and can delay a launch; it is off by default.
+
+``collective_gaps(code)`` reads Inductor's generated wrapper code (``run_and_get_code``) and lists,
+for every collective, the compute issued between its launch and its wait: what overlap can hide.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from dataclasses import dataclass
+
+import torch
+
+_PASSES = {
+    "scheduler": ("sink_waits", "raise_comms", "reorder_compute_for_overlap"),
+    "peak-memory": ("reorder_communication_preserving_peak_memory", "sink_waits_iterative",
+                    "reorder_communication_preserving_peak_memory"),
+}
+MODES = (*_PASSES, "fx")
+_BUCKET_KNOBS = ("bucket_all_reduces_fx", "bucket_reduce_scatters_fx", "bucket_all_gathers_fx")
+
+
+def _known() -> set[str]:
+    import torch._inductor.config as config
+    return set(config.get_config_copy())
+
+
+def _scheduler_passes(mode: str) -> list[str]:
+    import torch._inductor.comms as comms
+    missing = [p for p in _PASSES[mode] if not hasattr(comms, p)]
+    if missing:
+        others = [m for m in MODES if m != mode]
+        raise RuntimeError(f"torch {torch.__version__} has no Inductor overlap pass {', '.join(missing)}; "
+                           f"use mode={others[0]!r} or {others[1]!r}")
+    return list(_PASSES[mode])
+
+
+def overlap_config(mode: str = "scheduler", bucket: bool = False) -> dict[str, object]:
+    """The Inductor config patches that turn overlap on in this torch (see the module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"overlap mode={mode!r}: expected one of {', '.join(MODES)}")
+    known = _known()
+    if mode in _PASSES:
+        if "reorder_for_compute_comm_overlap" not in known:
+            raise RuntimeError(f"torch {torch.__version__} has no Inductor option "
+                               "reorder_for_compute_comm_overlap; use mode='fx'")
+        patches = {"reorder_for_compute_comm_overlap": True,
+                   "reorder_for_compute_comm_overlap_passes": _scheduler_passes(mode)}
+    else:
+        key = "aten_distributed_optimizations.enable_overlap_scheduling"
+        if key not in known:
+            raise RuntimeError(f"torch {torch.__version__} has no Inductor option {key}; "
+                               "use mode='scheduler'")
+        patches = {key: True}
+        if bucket and "aten_distributed_optimizations.collective_bucketing" in known:
+            patches["aten_distributed_optimizations.collective_bucketing"] = True
+    if bucket:
+        present = [k for k in _BUCKET_KNOBS if k in known]
+        if not present:
+            raise RuntimeError(f"torch {torch.__version__} has none of the Inductor options "
+                               f"{', '.join(_BUCKET_KNOBS)}; use bucket=False")
+        patches.update({k: "all" for k in present})
+    return patches
+
+
+@contextlib.contextmanager
+def overlap(mode: str = "scheduler", bucket: bool = False):
+    """Overlap on for every Inductor compilation inside the block (torch.compile compiles on first call)."""
+    import torch._inductor.config as config
+    with config.patch(overlap_config(mode, bucket)):
+        yield
+
+
+def overlap_backend(mode: str = "scheduler", bucket: bool = False):
+    """A torch.compile backend: Inductor with overlap on, for ``parallelize(..., compile=...)``.
+
+    The patches travel with the backend (Inductor applies them to the forward graph and to the
+    backward graph, which it compiles later), so no context needs to stay open."""
+    from torch._inductor.compile_fx import compile_fx
+    return functools.partial(compile_fx, config_patches=overlap_config(mode, bucket))
+
+
+# ---- reading the generated code --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CollectiveGap:
+    """One collective in generated code: its op, the buffer it waits on, and the compute between."""
+
+    op: str                        # e.g. "all_reduce_", "all_gather_into_tensor"
+    buffer: str
+    compute: tuple[str, ...]       # the compute calls issued after the launch and before the wait
+
+    @property
+    def overlapped(self) -> bool:
+        return bool(self.compute)
+
+
+_C10D = "torch.ops._c10d_functional."
+_WAIT = re.compile(r"wait_tensor\.default\((?:reinterpret_tensor\()?(\w+)")
+_LAUNCH = re.compile(r"(?:(\w+)\s*=\s*)?torch\.ops\._c10d_functional\.(\w+)\.\w+\((?:reinterpret_tensor\()?(\w+)")
+_OUT = re.compile(r"out=(?:reinterpret_tensor\()?(\w+)")
+# extern matmuls, C++ and Triton kernels, and aten fallbacks (attention) are compute
+_COMPUTE = re.compile(r"(extern_kernels\.\w+|\bcpp_fused\w*|\btriton_\w+\.run|torch\.ops\.aten\.[\w.]+)\(")
+
+
+def collective_gaps(code: str) -> list[CollectiveGap]:
+    """Every collective in one Inductor wrapper (as ``run_and_get_code`` returns it), in order.
+
+    A launch is matched to the first later ``wait_tensor`` on a buffer it reads or writes."""
+    open_: list[tuple[str, set[str], list[str]]] = []
+    gaps = []
+    for line in code.splitlines():
+        line = line.strip()
+        if line.startswith("#"):
+            continue
+        if _C10D in line:
+            wait = _WAIT.search(line)
+            if wait:
+                for i, (op, names, compute) in enumerate(open_):
+                    if wait.group(1) in names:
+                        gaps.append(CollectiveGap(op, wait.group(1), tuple(compute)))
+                        del open_[i]
+                        break
+                continue
+            launch = _LAUNCH.search(line)
+            if launch:
+                names = {n for n in (launch.group(1), launch.group(3)) if n}
+                names.update(_OUT.findall(line))
+                open_.append((launch.group(2), names, []))
+            continue
+        call = _COMPUTE.search(line)
+        if call:
+            for _, _, compute in open_:
+                compute.append(call.group(1))
+    return gaps

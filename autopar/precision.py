@@ -1,0 +1,241 @@
+"""Mixed precision: 16-bit compute on fp32 master weights, fp32 reductions, dynamic loss scaling.
+
+``precision="bf16"`` or ``"fp16"`` runs the forward and backward at 16 bits while every parameter,
+gradient and optimizer state stays fp32:
+
+- One 16-bit working copy per step (``WorkingCopies``). The first microbatch of a training step
+  that needs a parameter (or floating buffer) casts it; every later microbatch of the step uses
+  the same copy. The cast is part of autograd, so each microbatch's 16-bit weight gradient flows
+  back through it into the fp32 ``.grad``: accumulation over microbatches, the dp all-reduce or
+  ZeRO-1 reduce-scatter and the sum of a weight tied across pipeline stages all run in fp32, and
+  any torch optimizer steps the fp32 parameters ``ParallelModel.parameters()`` returns.
+
+  Why once per step rather than a cast inside the graph: a cast in the graph runs once per
+  microbatch, and autograd (eager, and AOTAutograd's partitioners alike) keeps its 16-bit output
+  for the matmul's backward, so every microbatch in flight holds its own copy of the weights
+  (p copies on the first stage of a 1F1B pipeline) and the cast's memory traffic repeats m times.
+  Once per step, the copy costs 2 bytes per parameter for the step, shared by all microbatches
+  (as Megatron-LM's 16-bit model next to its fp32 main parameters), and one pass over the weights.
+
+- Inside the graph (``precision_pass``): floating inputs are cast to the compute dtype where
+  first used; loss ops (cross-entropy and the like) take fp32 inputs, and the graph returns an
+  fp32 loss.
+
+- fp32 reductions. ``autopar.collectives`` sums every all-reduce and reduce-scatter of a 16-bit
+  tensor in fp32, forward and backward; the cost model prices them at fp32 bytes.
+
+- The cost model sees the compute dtype. ``retype_pass`` re-propagates the captured graph's
+  tensor metadata with 16-bit placeholders, so compute is priced at the device's bf16/fp16 peak,
+  activations, all-gathers and pipeline sends at 2 bytes per element, while parameters,
+  gradients and optimizer state keep their fp32 bytes, plus the working copy
+  (``working_copy_ratio``).
+
+- fp16's range is narrow, so its loss is scaled (``LossScaler``: Megatron-LM's dynamic recipe).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from torch._guards import detect_fake_mode
+from torch.fx import GraphModule, Node
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils._pytree import tree_map
+
+from autopar import collectives as C
+from autopar import ops
+
+aten = torch.ops.aten
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Ops that compute the loss: they run in fp32 whatever the compute dtype, as Megatron-LM's
+# cross-entropy does, because a log-sum-exp over a vocabulary loses too much at 16 bits.
+LOSS_OPS = {aten.cross_entropy_loss.default, aten.log_softmax.int, aten._log_softmax.default,
+            aten.nll_loss.default, aten.mse_loss.default, aten.l1_loss.default,
+            aten.smooth_l1_loss.default, aten.huber_loss.default, aten.kl_div.default,
+            aten.binary_cross_entropy_with_logits.default, ops.vocab_parallel_cross_entropy}
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype the forward and backward run at for ``precision`` ("fp32", "bf16" or "fp16")."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: expected 'fp32', 'bf16' (bf16 compute, fp32 master "
+                         "weights) or 'fp16' (fp16 compute, fp32 master weights, loss scaling)")
+    return PRECISIONS[precision]
+
+
+def cast(x, dtype: torch.dtype):
+    """``x`` at ``dtype`` when it is a floating-point tensor; anything else as it is."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+        return x.to(dtype)
+    return x
+
+
+# ---- the per-rank program -------------------------------------------------------------------
+
+class WorkingCopies:
+    """The 16-bit copies of fp32 parameters and buffers that a training step computes with.
+
+    Inside ``step()`` each tensor is cast once, when a microbatch first asks for it, and later
+    microbatches get the same copy; outside a step, or with grad disabled (a pipeline stage's
+    shape inference), every call casts afresh, so a forward-only call after an optimizer step
+    sees the new weights. At fp32 the tensors pass through."""
+
+    def __init__(self, precision: str):
+        # "fp32" runs the model as it is: a model built in another dtype is not cast
+        self.dtype = None if precision == "fp32" else compute_dtype(precision)
+        self._copies: dict[str, torch.Tensor] | None = None
+
+    @contextlib.contextmanager
+    def step(self):
+        """Share one copy of each tensor among the microbatches run inside this block."""
+        self._copies = {}
+        try:
+            yield
+        finally:
+            self._copies = None   # the step's autograd graph is gone; let its copies go too
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (named ``name``) at the compute dtype."""
+        if self.dtype is None:
+            return tensor
+        if self._copies is None or not torch.is_grad_enabled():   # a no-grad copy must not be shared
+            return cast(tensor, self.dtype)
+        if name not in self._copies:
+            self._copies[name] = cast(tensor, self.dtype)
+        return self._copies[name]
+
+
+def precision_pass(gm: GraphModule, plan, floats: set[str], stage_of: dict[str, int] | None = None) -> GraphModule:
+    """Casts for ``plan.precision``: floating inputs (``floats``) to the compute dtype where first used, loss ops in fp32."""
+    dtype = compute_dtype(plan.precision)
+    out = GraphModule(gm, copy.deepcopy(gm.graph))
+    g = out.graph
+    inputs = {n for n in g.nodes if n.op == "placeholder" and n.name in floats}
+    casts: dict[tuple, Node] = {}
+
+    def origin(n: Node) -> str:
+        return n.meta.get("origin", n.name)
+
+    def from_input(n: Node) -> bool:
+        while n.op == "call_function" and n.target in C.COLLECTIVE_FUNCTIONS:
+            n = n.args[0]
+        return n in inputs
+
+    def cast_before(user: Node, value: Node, to: torch.dtype, key: tuple) -> None:
+        if key not in casts:
+            with g.inserting_before(user):
+                c = g.call_function(cast, (value, to))
+            c.meta.update(origin=origin(user), module_path=user.meta.get("module_path", ""))
+            casts[key] = c
+        user.replace_input_with(value, casts[key])
+
+    for node in list(g.nodes):
+        if node.op == "output":
+            for value in node.all_input_nodes:
+                cast_before(node, value, torch.float32, (value, node))
+        if node.op != "call_function" or node.target in C.COLLECTIVE_FUNCTIONS:
+            continue
+        for value in node.all_input_nodes:
+            if node.target in LOSS_OPS:
+                cast_before(node, value, torch.float32, (value, node))
+            elif from_input(value):   # one cast per pipeline stage that uses the input
+                cast_before(node, value, dtype, (value, stage_of.get(origin(node)) if stage_of else None))
+    g.lint()
+    out.recompile()
+    return out
+
+
+# ---- the planner's view --------------------------------------------------------------------
+
+class _Retype(FakeTensorProp):
+    """Fake-tensor propagation in which loss ops see fp32 inputs, as ``precision_pass`` makes them."""
+
+    def call_function(self, target, args, kwargs):
+        if target in LOSS_OPS:
+            args, kwargs = tree_map(lambda x: cast(x, torch.float32), (args, kwargs))
+        return super().call_function(target, args, kwargs)
+
+
+def retype_pass(cap, precision: str):
+    """``cap`` (changed in place) with every computed value's metadata at ``precision``'s compute dtype."""
+    dtype = compute_dtype(precision)
+    if dtype == torch.float32:
+        return cap
+    # placeholders keep their stored dtype (fp32 master weights, gradients, optimizer state);
+    # every op is re-run on fake tensors as it will run, on 16-bit copies of them
+    placeholders = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
+    stored = {n: n.meta["val"] for n in placeholders}
+    mode = detect_fake_mode(list(stored.values()))
+    with mode:
+        fake_args = [cast(v, dtype) for v in stored.values()]
+    _Retype(cap.gm, mode).propagate_dont_convert_inputs(*fake_args)
+    for n, v in stored.items():
+        n.meta["val"] = v
+    cap.gm.meta["compute_dtype"] = dtype
+    return cap
+
+
+def working_copy_ratio(cap) -> float:
+    """Bytes of a step's 16-bit working copy (``WorkingCopies``) per byte of stored parameter:
+    0.5 for bf16 or fp16 compute on fp32 weights, 0 when the weights are used as they are."""
+    dtype = cap.gm.meta.get("compute_dtype")
+    stored = {n.meta["val"].dtype for n in cap.params.values()}
+    if dtype is None or stored <= {dtype}:
+        return 0.0
+    return dtype.itemsize / max(d.itemsize for d in stored)
+
+
+# ---- fp16 loss scaling ---------------------------------------------------------------------
+
+class LossScaler:
+    """Dynamic loss scaling (Megatron-LM's original fp16 recipe).
+
+    The loss is multiplied by ``scale`` before backward so small fp16 gradients do not flush to
+    zero. After the gradients are synchronised, ``unscale_`` divides them by ``scale`` and looks
+    for inf/nan; the finding is all-reduced over every rank, so all ranks skip an overflowed step
+    together. An overflow multiplies the scale by ``backoff`` (halves it); ``growth_interval``
+    clean steps in a row multiply it by ``growth`` (double it)."""
+
+    def __init__(self, scale: float = 2.0**16, growth_interval: int = 1000, backoff: float = 0.5,
+                 growth: float = 2.0, min_scale: float = 1.0):
+        self.scale = float(scale)
+        self.growth_interval = growth_interval
+        self.backoff = backoff
+        self.growth = growth
+        self.min_scale = min_scale
+        self.clean_steps = 0
+
+    def unscale_(self, grads: list[torch.Tensor], group: str, device: torch.device) -> bool:
+        """Divide ``grads`` by the scale in place; True (on every rank of ``group``) if any rank found inf/nan.
+
+        Updates the scale for the next step."""
+        found = torch.zeros(1, device=device)
+        if grads:
+            inv = torch.full((1,), 1.0 / self.scale, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        overflow = bool(C.all_reduce(found, group).item())
+        self.update(overflow)
+        return overflow
+
+    def update(self, overflow: bool) -> None:
+        """Halve the scale after an overflow; double it after ``growth_interval`` clean steps."""
+        if overflow:
+            self.scale = max(self.scale * self.backoff, self.min_scale)
+            self.clean_steps = 0
+            return
+        self.clean_steps += 1
+        if self.clean_steps == self.growth_interval:
+            self.scale *= self.growth
+            self.clean_steps = 0
+
+    def state_dict(self) -> dict:
+        """The scale and the clean-step count, for checkpoints."""
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state_dict()``'s output."""
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state["clean_steps"])
