@@ -197,11 +197,22 @@ class ParallelModel:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered to its full shape (tied names included), on CPU; loads into the
         unsharded model with ``load_state_dict(strict=False)`` (buffers are not included)."""
+        return self._gathered(lambda p: p.detach())
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient (after ``train_step``) gathered to its full shape, on CPU,
+        under the same names as ``full_state_dict``: what to compare with an unsharded model."""
+        if any(p.grad is None for p in self._params.values() if p.requires_grad):
+            raise RuntimeError("full_grads() needs gradients: run train_step first (with zero=1 the "
+                               "gradients live in the optimizer's flat shard)")
+        return self._gathered(lambda p: p.grad)
+
+    def _gathered(self, tensor_of) -> dict[str, torch.Tensor]:
         out = {}
         with torch.no_grad():
             for q in self.plan.parameters:
                 fqn, full, pl = q.fqn, q.shape, self._placement[q.fqn]
-                x = self._params[fqn].detach() if fqn in self._params else None
+                x = tensor_of(self._params[fqn]) if fqn in self._params else None
                 if self._pipeline is not None:   # the owning stage's copy, sent to every pp rank
                     mine = x if x is not None and self._owns(fqn) else torch.zeros(self._local_shape(fqn))
                     x = C.all_reduce(mine.to(self._device), self._pipeline.pp_group)

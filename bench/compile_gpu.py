@@ -58,6 +58,15 @@ def out_dir() -> str:
     return path
 
 
+def write_report(report: dict, name: str, started: float) -> None:
+    """Stamp the wall time on ``report`` and write it to ``$OUT/name``."""
+    report["wall_s"] = time.perf_counter() - started
+    path = os.path.join(out_dir(), name)
+    with open(path, "w") as fh:
+        json.dump(report, fh, indent=2, default=str)
+    print(f"\n{report['wall_s']:.0f} s in all; wrote {path}", flush=True)
+
+
 def markdown(header: list[str], rows: list[list]) -> str:
     """A markdown table; floats are printed as given (format them first)."""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
@@ -385,11 +394,7 @@ def main(argv=None) -> int:
         print(markdown(["config", "pred ms", "meas ms", "meas/pred", "time ok", "pred GiB", "meas GiB", "meas/pred",
                         "mem ok"], prow))
 
-    report["wall_s"] = time.perf_counter() - started
-    path = os.path.join(out_dir(), "compile_gpu.json")
-    with open(path, "w") as fh:
-        json.dump(report, fh, indent=2, default=str)
-    print(f"\n{report['wall_s']:.0f} s in all; wrote {path}", flush=True)
+    write_report(report, "compile_gpu.json", started)
     return 0
 
 

@@ -23,7 +23,6 @@ Prints markdown tables and writes ``$OUT/fp8_gpu.json``. About 2-3 minutes on an
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compile_gpu import GiB, PEAK_BF16, free_memory, markdown, model_flops, out_dir, sync, timed_steps  # noqa: E402
+from compile_gpu import (GiB, PEAK_BF16, free_memory, markdown, model_flops, sync, timed_steps,  # noqa: E402
+                         write_report)
 
 PEAK_FP8 = 1979e12
 
@@ -237,11 +237,7 @@ def main(argv=None) -> int:
         print(f"\nmax relative gap per step {r['max_rel_gap']:.2%}; over a 10-step moving mean "
               f"{r['max_rel_gap_smoothed']:.2%}", flush=True)
 
-    report["wall_s"] = time.perf_counter() - started
-    path = os.path.join(out_dir(), "fp8_gpu.json")
-    with open(path, "w") as fh:
-        json.dump(report, fh, indent=2, default=str)
-    print(f"\n{report['wall_s']:.0f} s in all; wrote {path}", flush=True)
+    write_report(report, "fp8_gpu.json", started)
     return 0
 
 

@@ -47,7 +47,7 @@ import torch.distributed as dist
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 from compile_gpu import (GiB, PEAK_BF16, free_memory, has_precision_knob, markdown, model_flops,  # noqa: E402
-                         out_dir, sync, timed_steps)
+                         out_dir, sync, timed_steps, write_report)
 
 PARITY_MESHES = [(1, 1, 2), (1, 1, 4), (1, 1, 8), (2, 2, 2), (1, 2, 4)]
 PARITY_TOL = {"fp32": 1e-4, "bf16": 1e-2}
@@ -129,6 +129,18 @@ def _autopar_curve(cfg, ctx: Ctx, mesh, plan: str, batches, bf16: bool) -> tuple
     return [float(x) for x in out], sharded, len(pm.plan.parameters)
 
 
+def _training_step(pm, ctx: Ctx, idx, tgt):
+    """One AdamW step of ``pm`` on (idx, tgt), as a function returning the loss."""
+    opt = pm.optimizer(torch.optim.AdamW, lr=1e-4, fused=ctx.device.type == "cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = pm.train_step(idx, tgt)
+        opt.step()
+        return loss.detach()
+    return step
+
+
 def part_parity(ctx: Ctx) -> list[dict]:
     from autopar.examples.gpt import GPTConfig
     a = ctx.args
@@ -178,13 +190,7 @@ def _run_autopar(cfg, ctx: Ctx, mesh, plan: str, batch: int, steps: int) -> dict
     pm = autopar.parallelize(model, mesh, (idx, tgt), plan=plan, compile=True, **kw)
     setup = time.perf_counter() - t0
     del model
-    opt = pm.optimizer(torch.optim.AdamW, lr=1e-4, fused=ctx.device.type == "cuda")
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = pm.train_step(idx, tgt)
-        opt.step()
-        return loss.detach()
+    step = _training_step(pm, ctx, idx, tgt)
 
     r = _timed(step, ctx, steps)
     r.pop("codes")
@@ -319,13 +325,7 @@ def _run_overlap_mode(cfg, ctx: Ctx, mode: str, batch: int) -> dict:
     backend = True if mode == "off" else overlap_backend(mode)
     pm = autopar.parallelize(model, (1, 1, ctx.world), (idx, tgt), compile=backend, **kw)
     del model
-    opt = pm.optimizer(torch.optim.AdamW, lr=1e-4, fused=ctx.device.type == "cuda")
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = pm.train_step(idx, tgt)
-        opt.step()
-        return loss.detach()
+    step = _training_step(pm, ctx, idx, tgt)
 
     r = _timed(step, ctx, 3 if ctx.args.cpu_smoke else 10)
     gaps = [g for code in r.pop("codes") for g in collective_gaps(code)]
@@ -419,12 +419,8 @@ def run(rank: int, world: int, args) -> dict:
         ctx.log(f"{part}: {time.perf_counter() - t0:.0f} s")
     if rank == 0:
         _report(ctx, results)
-        report = dict(torch=torch.__version__, device=name, world=world, mixed_precision=ctx.mixed,
-                      wall_s=time.perf_counter() - started, **results)
-        path = os.path.join(out_dir(), "multi_gpu.json")
-        with open(path, "w") as fh:
-            json.dump(report, fh, indent=2, default=str)
-        print(f"\n{report['wall_s']:.0f} s in all; wrote {path}", flush=True)
+        write_report(dict(torch=torch.__version__, device=name, world=world, mixed_precision=ctx.mixed, **results),
+                     "multi_gpu.json", started)
     return {}
 
 

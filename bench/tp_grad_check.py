@@ -44,12 +44,7 @@ def main():
             pm = autopar.parallelize(model(), (1, 1, world), (idx, tgt), plan="megatron", sequence_parallel=sp,
                                      compile=compile_)
             loss = pm.train_step(idx, tgt)
-            saved = {n: p.data for n, p in pm.named_parameters()}
-            for n, p in pm.named_parameters():
-                p.data = p.grad
-            full = pm.full_state_dict()
-            for n, p in pm.named_parameters():
-                p.data = saved[n]
+            full = pm.full_grads()
             errs = sorted(((float((full[n].to(dev) - g).abs().max() / g.abs().max().clamp_min(1e-12)), n)
                            for n, g in ref_grads.items() if n in full), reverse=True)
             opt = pm.optimizer(torch.optim.AdamW, lr=1e-4)

@@ -41,7 +41,7 @@ def parallel_run(rank, world, mesh, knobs, cfg=TINY, steps=0, lr=1e-3, batch=BAT
     idx, tgt = example_inputs(cfg, batch, SEQ)
     pm = autopar.parallelize(model, mesh, (idx, tgt), **knobs)
     loss = pm.train_step(idx, tgt).item()
-    grads = _gathered_grads(pm) if not knobs.get("zero") else None
+    grads = pm.full_grads() if not knobs.get("zero") else None
     curve = []
     if steps:
         pm = autopar.parallelize(make_model(cfg), mesh, (idx, tgt), **knobs)
@@ -51,14 +51,3 @@ def parallel_run(rank, world, mesh, knobs, cfg=TINY, steps=0, lr=1e-3, batch=BAT
             curve.append(pm.train_step(idx, tgt).item())
             opt.step()
     return loss, grads, curve, pm.plan.to_json()
-
-
-def _gathered_grads(pm):
-    """Each parameter's gradient gathered to full shape, by swapping grads in as the weights."""
-    saved = {n: p.data for n, p in pm.named_parameters()}
-    for n, p in pm.named_parameters():
-        p.data = p.grad
-    full = pm.full_state_dict()
-    for n, p in pm.named_parameters():
-        p.data = saved[n]
-    return full

@@ -18,7 +18,6 @@ transformers = pytest.importorskip("transformers")
 import autopar  # noqa: E402
 from autopar.hf import causal_lm_loss  # noqa: E402
 from autopar.launch import spawn  # noqa: E402
-from parity import _gathered_grads  # noqa: E402
 
 VOCAB, BATCH, SEQ = 96, 4, 12
 
@@ -74,7 +73,7 @@ def _rank_all(rank, world, cases):
         ids, labels = batch()
         pm = autopar.parallelize(build(name), mesh, (ids, labels), compile=False, **knobs)
         loss = pm.train_step(ids, labels).item()
-        out.append((loss, _gathered_grads(pm), pm.plan.to_json()))
+        out.append((loss, pm.full_grads(), pm.plan.to_json()))
     return out
 
 
