@@ -39,12 +39,13 @@ import copy
 
 import torch
 from torch._guards import detect_fake_mode
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule, Node, map_arg
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils._pytree import tree_map
 
 from autopar import collectives as C
 from autopar import ops
+from autopar.passes.capture import input_free
 
 aten = torch.ops.aten
 
@@ -114,6 +115,9 @@ def precision_pass(gm: GraphModule, plan, floats: set[str], stage_of: dict[str, 
     out = GraphModule(gm, copy.deepcopy(gm.graph))
     g = out.graph
     inputs = {n for n in g.nodes if n.op == "placeholder" and n.name in floats}
+    # values computed in the graph from buffers and shapes alone (rotary tables, float masks)
+    # were traced at fp32, where their casts to the activations' dtype were no-ops and dropped
+    tables = {n for n in input_free(g) if n.op == "call_function"}
     casts: dict[tuple, Node] = {}
 
     def origin(n: Node) -> str:
@@ -141,7 +145,8 @@ def precision_pass(gm: GraphModule, plan, floats: set[str], stage_of: dict[str, 
         for value in node.all_input_nodes:
             if node.target in LOSS_OPS:
                 cast_before(node, value, torch.float32, (value, node))
-            elif from_input(value):   # one cast per pipeline stage that uses the input
+            elif from_input(value) or (value in tables and node not in tables):
+                # one cast per pipeline stage that uses the value (``cast`` leaves non-floats alone)
                 cast_before(node, value, dtype, (value, stage_of.get(origin(node)) if stage_of else None))
     g.lint()
     out.recompile()
@@ -151,7 +156,21 @@ def precision_pass(gm: GraphModule, plan, floats: set[str], stage_of: dict[str, 
 # ---- the planner's view --------------------------------------------------------------------
 
 class _Retype(FakeTensorProp):
-    """Fake-tensor propagation in which loss ops see fp32 inputs, as ``precision_pass`` makes them."""
+    """Fake-tensor propagation with ``precision_pass``'s casts: loss ops see fp32 inputs, and the
+    tables the graph computes from buffers and shapes reach other ops at the compute dtype."""
+
+    def __init__(self, gm, mode, dtype: torch.dtype):
+        super().__init__(gm, mode)
+        self.dtype = dtype
+        self.tables = {n for n in input_free(gm.graph) if n.op == "call_function"}
+
+    def fetch_args_kwargs_from_env(self, n):
+        def load(a):
+            v = self.env[a]
+            return cast(v, self.dtype) if a in self.tables and n not in self.tables else v
+        if n.op != "call_function" or n.target in LOSS_OPS:
+            return super().fetch_args_kwargs_from_env(n)
+        return map_arg(n.args, load), map_arg(n.kwargs, load)
 
     def call_function(self, target, args, kwargs):
         if target in LOSS_OPS:
@@ -171,7 +190,7 @@ def retype_pass(cap, precision: str):
     mode = detect_fake_mode(list(stored.values()))
     with mode:
         fake_args = [cast(v, dtype) for v in stored.values()]
-    _Retype(cap.gm, mode).propagate_dont_convert_inputs(*fake_args)
+    _Retype(cap.gm, mode, dtype).propagate_dont_convert_inputs(*fake_args)
     for n, v in stored.items():
         n.meta["val"] = v
     cap.gm.meta["compute_dtype"] = dtype

@@ -3,7 +3,7 @@
 Small random models built from config objects (no downloads), fp32, gloo on CPU: the loss and
 every gathered gradient match the Hugging Face model run whole, on (1,1,2), (2,1,2) and (1,2,2);
 Llama uses grouped-query attention (2 key/value heads for 4 query heads), and a Llama with one
-key/value head checks the replicated key/value projections. A bf16 run tracks the fp32 loss.
+key/value head checks the replicated key/value projections. bf16 runs of both track the fp32 loss.
 All cases of one world size share one spawn (process start-up and imports dominate).
 """
 from __future__ import annotations
@@ -57,7 +57,8 @@ CASES = {
         ("llama", (1, 1, 2), dict(plan="megatron")),
         ("llama-mqa", (1, 1, 2), dict(plan="megatron", sequence_parallel=False)),
         ("llama", (1, 1, 2), dict(plan="auto", device="h100", memory_budget=300_000)),
-        ("gpt2", (1, 1, 2), dict(plan="megatron", precision="bf16"))],
+        ("gpt2", (1, 1, 2), dict(plan="megatron", precision="bf16")),
+        ("llama", (1, 1, 2), dict(plan="megatron", precision="bf16"))],
     4: [("gpt2", (2, 1, 2), dict(plan="megatron")),
         ("llama", (2, 1, 2), dict(plan="megatron", sequence_parallel=False)),
         ("gpt2", (1, 2, 2), dict(plan="megatron", microbatches=2)),
