@@ -115,9 +115,7 @@ def precision_pass(gm: GraphModule, plan, floats: set[str], stage_of: dict[str, 
     out = GraphModule(gm, copy.deepcopy(gm.graph))
     g = out.graph
     inputs = {n for n in g.nodes if n.op == "placeholder" and n.name in floats}
-    # values computed in the graph from buffers and shapes alone (rotary tables, float masks)
-    # were traced at fp32, where their casts to the activations' dtype were no-ops and dropped
-    tables = {n for n in input_free(g) if n.op == "call_function"}
+    tables = _tables(g)
     casts: dict[tuple, Node] = {}
 
     def origin(n: Node) -> str:
@@ -153,6 +151,13 @@ def precision_pass(gm: GraphModule, plan, floats: set[str], stage_of: dict[str, 
     return out
 
 
+def _tables(graph) -> set[Node]:
+    """Values the graph computes from buffers and shapes alone (rotary tables, float masks).
+    They were traced at fp32, where their casts to the activations' dtype were no-ops and dropped,
+    so the ops that use them get them cast to the compute dtype."""
+    return {n for n in input_free(graph) if n.op == "call_function"}
+
+
 # ---- the planner's view --------------------------------------------------------------------
 
 class _Retype(FakeTensorProp):
@@ -162,7 +167,7 @@ class _Retype(FakeTensorProp):
     def __init__(self, gm, mode, dtype: torch.dtype):
         super().__init__(gm, mode)
         self.dtype = dtype
-        self.tables = {n for n in input_free(gm.graph) if n.op == "call_function"}
+        self.tables = _tables(gm.graph)
 
     def fetch_args_kwargs_from_env(self, n):
         def load(a):
