@@ -223,7 +223,19 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
     if given is not None:
         result = dataclasses.replace(result, notes=given.notes)
     result = dataclasses.replace(result, precision=precision, peak_flops=dev.flops(compute_dtype(precision)))
+    result = dataclasses.replace(result, predicted_update_s=plan_update_time(result, dev))
     return cap, assignment.strategies, result
+
+
+def plan_update_time(plan: Plan, dev) -> float:
+    """``update_time`` of the pipeline rank holding the most parameters (read off its stages'
+    AdamW state: two fp32 moments per fp32 parameter, 1/dp of them under ZeRO-1)."""
+    from autopar.cost_model.compute import update_time
+    dp, pp = plan.mesh[0], plan.mesh[1]
+    shards = dp if plan.zero else 1
+    per_rank = [sum(m.optimizer for m in plan.memory if m.stage % pp == r) * shards / 2 for r in range(pp)]
+    return update_time(max(per_rank, default=0.0), dev, working_copy=plan.precision != "fp32",
+                       optimizer_shards=shards)
 
 
 def _over(make_plan, budget: float) -> bool:
@@ -255,7 +267,8 @@ def _with_memory(result: Plan, cap, strategies, mesh, dev, *, recompute: str, bu
     if regions is None and recompute == "auto":
         if budget is None:
             raise ValueError("recompute='auto' needs memory_budget= (e.g. '60GiB')")
-        regions, _ = choose_recompute(cap, strategies, mesh, dev, zero=zero, budget=budget)
+        regions, _ = choose_recompute(cap, strategies, mesh, dev, zero=zero, budget=budget,
+                                      microbatches=result.microbatches)
     elif regions is None:
         regions = regions_for(cap, recompute)
     stage_nodes = inflight = None
@@ -266,7 +279,7 @@ def _with_memory(result: Plan, cap, strategies, mesh, dev, *, recompute: str, bu
                        for s in range(len(result.stages))]
         inflight = inflight_microbatches(mesh.pp, result.microbatches, result.virtual_stages, result.schedule)
     memory = memory_breakdown(cap, strategies, mesh, zero=zero, regions=regions, stage_nodes=stage_nodes,
-                              inflight=inflight)
+                              inflight=inflight, microbatches=result.microbatches)
     return dataclasses.replace(result, recompute=recompute, memory=memory,
                                recompute_regions=tuple(tuple(n.name for n in r) for r in regions))
 
@@ -316,8 +329,11 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
     Call it on every rank of an initialised process group (``torchrun``, or
     ``autopar.launch.spawn`` for CPU ranks). ``example_inputs`` is one global batch.
     Rank 0 plans and broadcasts the plan, so every rank runs the same decisions.
-    ``compile``: True lowers through torch.compile (Inductor), a string or callable names
-    another torch.compile backend (e.g. "aot_eager"), False runs the rewritten graph eagerly.
+    ``compile``: True lowers through torch.compile (Inductor); "reduce-overhead" (Inductor
+    replaying CUDA graphs: no launch gaps; weights and buffers are marked as static addresses),
+    "max-autotune" or "max-autotune-no-cudagraphs" through Inductor in that mode; another string
+    or a callable names a torch.compile backend (e.g. "aot_eager"); False runs the rewritten
+    graph eagerly.
     ``device``: the cost model's device preset or profile (default: this machine's kind).
     ``stages``: with pp > 1, module FQNs per stage to override the cost model's cut.
     ``virtual_stages``: stages per pipeline rank (interleaved schedules; default 2 there).

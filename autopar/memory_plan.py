@@ -1,8 +1,11 @@
 """Memory per rank and stage, and where to recompute: the plan's memory decisions.
 
-Per stage: parameters, gradients and optimizer state (by ZeRO level) of the layers it holds,
-the activations one microbatch keeps (``cost_model.memory``) times the microbatches the
-schedule keeps in flight there, and the largest backward transient; their sum is the peak. ``recompute="auto"`` picks per block none / selective / full
+Per stage: parameters and optimizer state (by ZeRO level) of the layers it holds, the
+activations one microbatch keeps under torch.compile (``cost_model.memory.compiled_kept``) times
+the microbatches the schedule keeps in flight there, the gradients when they outlive a backward
+(several microbatches accumulate them), and what the backward adds at its highest above the
+forward's end (``backward_excess``: gradients as they arrive, gradient buffers, net of the
+activations freed by then); their sum is the peak. ``recompute="auto"`` picks per block none / selective / full
 with the smallest recompute time that brings every stage under the memory budget (an ILP over
 the blocks, ``autopar.ilp``), or says the smallest peak any choice reaches.
 """
@@ -10,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.cost_model.memory import activation_bytes, attention_core, backward_transient
+from autopar.cost_model.memory import attention_core, backward_excess, compiled_kept
 from autopar.ilp import InfeasibleError, solve_strategies
 from autopar.placement import local_shape
 from autopar.plan import MemoryPlan
@@ -42,36 +45,53 @@ def _param_state(cap, strategies, fqns, tp: int, dp: int, zero: int):
     return params * (1 + working_copy_ratio(cap)), params, optimizer   # + a 16-bit step's working copy
 
 
-def memory_breakdown(cap, strategies, mesh, *, zero: int, regions, stage_nodes=None, inflight=None):
+def stage_terms(cap, strategies, mesh, nodes, regions, *, zero: int, microbatches: int):
+    """(params, gradients held through the forward, optimizer, one microbatch's activations,
+    [(node, backward excess)]) of one stage's ``nodes`` with ``regions`` recomputed: the terms
+    of its peak (``memory_breakdown``)."""
+    held = microbatches > 1   # gradients accumulate over the step's microbatches
+    members = set(nodes)
+    fqns = [f for f, p in cap.params.items() if any(u in members for u in p.users)]
+    params, grads, opt = _param_state(cap, strategies, fqns, mesh.tp, mesh.dp, zero)
+    mine = [r for r in regions if r and r[0] in members]
+    kept = compiled_kept(nodes, strategies, mesh.tp, mine)
+    per_param = {cap.params[f]: _param_state(cap, strategies, [f], mesh.tp, mesh.dp, zero)[1] for f in fqns}
+    excess = backward_excess(nodes, kept, strategies, mesh.tp, per_param, held)
+    return params, grads if held else 0.0, opt, sum(kept.values()), excess
+
+
+def memory_breakdown(cap, strategies, mesh, *, zero: int, regions, stage_nodes=None, inflight=None,
+                     microbatches: int = 1):
     """MemoryPlan per stage (one stage when pp = 1)."""
     stage_nodes = stage_nodes or [[n for n in cap.gm.graph.nodes if n.op == "call_function"]]
     inflight = inflight or [1] * len(stage_nodes)
     out = []
     for s, nodes in enumerate(stage_nodes):
-        members = set(nodes)
-        fqns = [f for f, p in cap.params.items() if any(u in members for u in p.users)]
-        params, grads, opt = _param_state(cap, strategies, fqns, mesh.tp, mesh.dp, zero)
-        mine = [r for r in regions if r and r[0] in members]
-        act = activation_bytes(nodes, strategies, mesh.tp, mine) * inflight[s]
-        transient = max((backward_transient(n, strategies, mesh.tp) for n in nodes), default=0.0)
+        params, grads, opt, act, excess = stage_terms(cap, strategies, mesh, nodes, regions, zero=zero,
+                                                      microbatches=microbatches)
+        transient = max([0.0] + [b for _, b in excess])
+        act *= inflight[s]
         out.append(MemoryPlan(s, params, grads, opt, act, params + grads + opt + act + transient, transient))
     return tuple(out)
 
 
-def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float):
+def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, microbatches: int = 1):
     """Per block the cheapest recompute mode (by recomputed forward time) fitting ``budget`` bytes."""
     blocks = find_blocks(cap) or []
     if not blocks:
         raise PlanError("recompute='auto' works per repeated block, and this model has none")
-    base = memory_breakdown(cap, strategies, mesh, zero=zero, regions=regions_for(cap, "full"))[0]
-    full_act = sum(activation_bytes(b, strategies, mesh.tp, [[n for n in b if n.op == "call_function"]])
-                   for b in blocks)
+    def kept(nodes, regions) -> float:
+        return sum(compiled_kept(nodes, strategies, mesh.tp, regions).values())
+
+    base = memory_breakdown(cap, strategies, mesh, zero=zero, regions=regions_for(cap, "full"),
+                            microbatches=microbatches)[0]
+    full_act = sum(kept(b, [[n for n in b if n.op == "call_function"]]) for b in blocks)
     fixed = base.peak - full_act            # everything but the blocks' own activations
     costs, mems = [], []
     for b in blocks:
         calls = [n for n in b if n.op == "call_function"]
         options = {"none": [], "selective": [attention_core(b)], "full": [calls]}
-        mems.append([activation_bytes(b, strategies, mesh.tp, options[m]) for m in MODES])
+        mems.append([kept(b, options[m]) for m in MODES])
         # recomputing runs the region's forward again: about a third of its forward + backward
         costs.append([sum(_strategy_time(n, strategies[n], mesh.tp, dev, False) for r in options[m] for n in r) / 3
                       for m in MODES])

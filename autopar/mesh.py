@@ -77,4 +77,10 @@ def group_name(dmesh, axis: str) -> str:
 
 
 def default_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """"cuda" when the ranks talk over NCCL (or no process group exists yet) on a GPU host, else "cpu":
+    gloo ranks keep their tensors on the CPU, also on a machine that has GPUs."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    if dist.is_initialized() and "nccl" not in str(dist.get_backend()):
+        return "cpu"
+    return "cuda"

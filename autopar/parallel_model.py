@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from autopar import collectives as C
-from autopar.mesh import group_name
+from autopar.mesh import default_device_type, group_name
 from autopar.passes.recompute import recompute_pass
 from autopar.passes.shard import shard_pass
 from autopar.passes.rules import is_float
@@ -38,8 +38,14 @@ class ParallelModel:
         gm = cap.gm
         if mesh.tp > 1:
             gm = shard_pass(gm, strategies, size=mesh.tp, rank=self.coords["tp"], group=self._tp_group)
+        # One microbatch on one stage: the 16-bit weight copies are cast inside the compiled graph,
+        # where Inductor fuses them into its own kernels, instead of ~2 eager kernels per weight per
+        # step. With several microbatches the copies are made once per step and shared (``WorkingCopies``).
+        in_graph = mesh.pp == 1 and plan.microbatches == 1
         if plan.precision != "fp32":
             floats = {n.name for n in cap.inputs if is_float(n)}
+            if in_graph:
+                floats |= {n.name for n in cap.gm.graph.nodes if n.op == "placeholder" and is_float(n)}
             stage_of = None
             if mesh.pp > 1:
                 from autopar.pipeline import stage_of_nodes
@@ -60,17 +66,21 @@ class ParallelModel:
         self._buffers = {fqn: b for fqn, b in model.named_buffers() if fqn in cap.buffers}
         # the buffers the module's own state_dict holds: checkpoints and exports carry exactly these
         self._persistent_buffers = [fqn for fqn in model.state_dict(keep_vars=True) if fqn in self._buffers]
-        self._casts = WorkingCopies(plan.precision)
+        self._casts = WorkingCopies("fp32" if in_graph else plan.precision)
         self.loss_scaler = LossScaler() if plan.precision == "fp16" else None
         self.step_skipped = False
         self._pipeline = None
         if mesh.pp > 1:
             from autopar.pipeline import Pipeline
-            self._pipeline = Pipeline(self, gm, cap, plan, dmesh, compile, materialize)
+            self._pipeline = Pipeline(self, gm, cap, plan, dmesh, lambda g: lower(g, compile), materialize)
             self._params = self._pipeline.params
         else:
             self._params = materialize(set(cap.params))
-            self._fn = torch.compile(gm, backend="inductor" if compile is True else compile) if compile else gm
+            self._fn = lower(gm, compile)
+        self._cuda_graphs = compile in CUDA_GRAPH_MODES
+        if self._cuda_graphs:   # replayed graphs read weights and buffers where they were recorded
+            for t in [*self._params.values(), *self._buffers.values()]:
+                torch._dynamo.mark_static_address(t)
         self._slots = [(n.meta.get("kind"), n.meta.get("fqn")) for n in gm.graph.nodes if n.op == "placeholder"]
         self._input_names = [n.name for n in cap.inputs]
         self._global_batch = plan.input_shapes[0][0] * mesh.dp * plan.microbatches if plan.input_shapes else None
@@ -117,6 +127,8 @@ class ParallelModel:
         the full batch's mean loss when every microbatch has the same token count)."""
         m = self.plan.microbatches
         inputs = [self._dp_slice(x) for x in inputs]
+        if self._cuda_graphs:   # the last step's graph outputs are consumed: their memory may be reused
+            torch.compiler.cudagraph_mark_step_begin()
         with self._casts.step():
             if self._pipeline is not None:
                 total = self._pipeline.step(dict(zip(self._input_names, inputs)))
@@ -224,8 +236,24 @@ class ParallelModel:
         return out
 
 
+# torch.compile modes (Inductor) that replay CUDA graphs
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+MODES = ("default", "max-autotune-no-cudagraphs", *CUDA_GRAPH_MODES)
+
+
+def lower(gm: torch.fx.GraphModule, compile):
+    """``gm`` as a rank runs it: ``compile`` True lowers through Inductor, one of ``MODES`` through
+    Inductor in that torch.compile mode, another string or a callable names a torch.compile
+    backend (e.g. "aot_eager"), False runs it eagerly."""
+    if not compile:
+        return gm
+    if compile is True or compile in MODES:
+        return torch.compile(gm, mode=None if compile is True else compile)
+    return torch.compile(gm, backend=compile)
+
+
 def _comm_device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if default_device_type() == "cuda" else torch.device("cpu")
 
 
 def _all_reduce_mean(tensors, group: str, size: int):

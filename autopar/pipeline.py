@@ -207,7 +207,7 @@ def stage_of_nodes(cap: Captured, plan) -> dict[str, int]:
 class Pipeline:
     """This rank's stages, their schedule, and the cross-stage gradient sums."""
 
-    def __init__(self, pm, gm, cap: Captured, plan, dmesh, compile, materialize):
+    def __init__(self, pm, gm, cap: Captured, plan, dmesh, wrap, materialize):
         from torch.distributed.pipelining import PipelineStage
 
         from autopar.mesh import group_name
@@ -231,7 +231,6 @@ class Pipeline:
         needed = {f for f, r in holders.items() if me in r}
         params = materialize(needed)
         tensors = {**params, **{f: b for f, b in pm._buffers.items() if f in needed}}
-        wrap = (lambda g: torch.compile(g, backend="inductor" if compile is True else compile)) if compile else (lambda g: g)
         device = pm._device
         self.pp_group = group_name(dmesh, "pp")
         pg = dmesh.get_group("pp")
@@ -251,7 +250,8 @@ class Pipeline:
         from autopar import collectives as C
 
         losses: list = []
-        first = [inputs[name] for name in self.sg.first_inputs]
+        # only the first stage's rank feeds the batch (torch 2.11's schedules refuse it elsewhere)
+        first = [inputs[name] for name in self.sg.first_inputs] if 0 in self.mine else []
         self.schedule.step(*first, target=inputs[self.sg.label_inputs[0]], losses=losses)
         loss = torch.stack([l.detach() for l in losses]).mean() / self.pm.loss_scale if self.last else torch.zeros(())
         for f in self.shared:   # a weight on several stages: its gradient is the sum over them

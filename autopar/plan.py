@@ -75,12 +75,12 @@ class MemoryPlan:
     """Predicted bytes on one rank of one pipeline stage (for pp = 1, the one stage)."""
 
     stage: int
-    params: float
-    grads: float
+    params: float            # fp32 weights and, at 16 bits, their working copy
+    grads: float             # gradients held through a forward: with several microbatches (they accumulate)
     optimizer: float
     activations: float       # kept for backward, times the microbatches in flight there
-    peak: float
-    transient: float = 0.0   # the largest set of gradient buffers alive at once in backward
+    peak: float              # params + grads + optimizer + activations + transient
+    transient: float = 0.0   # what the backward adds at its highest above the forward's end (arriving gradients included)
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,7 @@ class Plan:
     collectives: tuple[CollectivePlan, ...]
     predicted_compute_s: float      # with pp > 1: the pipeline step (tp communication and bubble included)
     predicted_comm_s: float         # communication not inside that: tp collectives (pp = 1), dp sync
+    predicted_update_s: float = 0.0   # the optimizer update and 16-bit weight casts of the busiest rank
     solve_seconds: float = 0.0
     model_flops: float = 0.0        # forward + backward FLOPs of one step, all ranks together
     peak_flops: float = 0.0         # one device's peak at the model's dtype
@@ -119,8 +120,8 @@ class Plan:
 
     @property
     def predicted_step_time(self) -> float:
-        """Seconds per training step: compute plus (unoverlapped) communication."""
-        return self.predicted_compute_s + self.predicted_comm_s
+        """Seconds per training step: compute, (unoverlapped) communication and the weight update."""
+        return self.predicted_compute_s + self.predicted_comm_s + self.predicted_update_s
 
     @property
     def predicted_mfu(self) -> float:
@@ -239,11 +240,12 @@ class Plan:
             for mem in self.memory:
                 lines.append(f"  stage {mem.stage}: params {mem.params / 2**30:.3f}  grads {mem.grads / 2**30:.3f}  "
                              f"optimizer {mem.optimizer / 2**30:.3f}  activations {mem.activations / 2**30:.3f}  "
-                             f"backward transient {mem.transient / 2**30:.3f}  "
+                             f"backward above forward {mem.transient / 2**30:.3f}  "
                              f"peak {mem.peak / 2**30:.3f}")
         lines += ["", f"Predicted step time {self.predicted_step_time * 1e3:.3f} ms "
                       f"(compute {self.predicted_compute_s * 1e3:.3f} ms, "
-                      f"communication {self.predicted_comm_s * 1e3:.3f} ms); solved in {self.solve_seconds:.2f} s",
+                      f"communication {self.predicted_comm_s * 1e3:.3f} ms, "
+                      f"update {self.predicted_update_s * 1e3:.3f} ms); solved in {self.solve_seconds:.2f} s",
                   f"Model FLOPs per step {self.model_flops:.3e}; predicted MFU {self.predicted_mfu:.1%} "
                   f"of {self.peak_flops / 1e12:.0f} TFLOP/s per device"]
         lines += [f"Note: {n}" for n in self.notes]

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.fx import Node
 
-from autopar.cost_model import collective_time, compute_time, node_bytes, node_flops, summed_bytes
+from autopar.cost_model import attention_kind, collective_time, compute_time, node_bytes, node_flops, summed_bytes
 from autopar.cost_model.memory import VIEW_OPS
 from autopar.ilp import solve_strategies
 from autopar.passes.capture import Captured
@@ -215,19 +215,23 @@ def strategy_work(node: Node, s: Strategy) -> tuple[float, float, torch.dtype]:
     """(FLOPs, bytes moved, dtype) of a call_function node's forward and backward on one rank
     under strategy ``s``: what ``compute_time`` prices (views excluded by the caller)."""
     fwd, bwd = node_flops(node)   # cached by the cost model per op signature
-    # Inductor fuses chains of pointwise ops, so one costs about a write of its output
-    # forward and one backward; other ops read and write their tensors, backward ~2x.
-    nbytes = 2 * tensor_bytes(node) if node.target in POINTWISE else 3 * node_bytes(node)
     val = node.meta["val"]
     dtype = val.dtype if isinstance(val, torch.Tensor) else torch.float32
-    return (fwd + bwd) / s.divisor, nbytes / s.divisor, dtype
+    return (fwd + bwd) / s.divisor, op_traffic(node) / s.divisor, dtype
+
+
+def op_traffic(node: Node) -> float:
+    """Bytes a call_function node's forward and backward move, unsharded, as the cost model counts them."""
+    # Inductor fuses chains of pointwise ops, so one costs about a write of its output
+    # forward and one backward; other ops read and write their tensors, backward ~2x.
+    return 2 * tensor_bytes(node) if node.target in POINTWISE else 3 * node_bytes(node)
 
 
 def _strategy_time(node: Node, s: Strategy, tp: int, dev, inter_node: bool, with_comm: bool = True) -> float:
     if node.op != "call_function" or node.target in VIEW_OPS:
         return 0.0
     flops, nbytes, dtype = strategy_work(node, s)
-    t = compute_time(flops, nbytes, dev, dtype)
+    t = compute_time(flops, nbytes, dev, dtype, attention_kind(node))
     rows = shape(node.args[0])[0] if s.comm and with_comm else 0
     return t + sum(collective_time(kind, _comm_bytes(kind, rows, tp), tp, dev, inter_node) for kind, _ in s.comm)
 

@@ -1,7 +1,8 @@
 """Plain torch.compile against autopar on one GPU (mesh (1,1,1)), 16-bit, side by side.
 
     python bench/compile_gpu.py [--configs h2048,gpt2-xl,h1024] [--contenders plain,autopar]
-        [--steps 20] [--batch B] [--device PROFILE.json] [--no-matmul] [--no-predict] [--cpu-smoke]
+        [--steps 20] [--batch B] [--device PROFILE.json] [--no-matmul] [--no-predict] [--no-breakdown]
+        [--cpu-smoke] [--predict-from RESULTS.json]
 
 For each GPT config (h2048: h=2048, 8 layers, 16 heads, seq 2048, vocab 50304; gpt2-xl: h=1600,
 48 layers, 25 heads, seq 1024; h1024: h=1024, 24 layers, 16 heads, seq 1024) it trains the same
@@ -9,7 +10,9 @@ model two ways in one process and reports tokens/s, MFU, peak memory and compile
 
 - plain: ``torch.compile(model)`` (Inductor), the fused AdamW;
 - autopar: ``autopar.parallelize(model, mesh=(1, 1, 1), ...)`` with ``compile=True``, the same
-  optimizer over ``pm.parameters()``, stepping with ``pm.train_step``.
+  optimizer over ``pm.parameters()``, stepping with ``pm.train_step``;
+- plain-cudagraphs / autopar-cudagraphs (only when asked for with ``--contenders``): the same in
+  torch.compile's "reduce-overhead" mode, which replays CUDA graphs.
 
 Precision: when ``autopar.parallelize`` takes ``precision=`` (fp32 master weights, bf16 compute)
 autopar runs ``precision="bf16"`` and the plain model runs its fp32 weights under
@@ -21,7 +24,9 @@ It also times a bf16 8192^3 matmul (the ceiling a GPT step's matmuls can reach) 
 config, puts autopar.plan(..., device="h200" or ``--device PROFILE.json``)'s predicted step time
 and peak memory next to the measured ones (acceptance: within 15% on time, 10% on memory).
 It checks what the (1,1,1) path runs: collectives left in autopar's graph, and the kernels
-Inductor generated for each contender (read from ``run_and_get_code``).
+Inductor generated for each contender (read from ``run_and_get_code``); and where each contender's
+GPU time goes, by kernel family (torch.profiler, ``cost_model.calibrate.kernel_breakdown``).
+``--predict-from`` re-prices a saved run's results with the current cost model, on any machine.
 
 Prints markdown tables and writes ``$OUT/compile_gpu.json`` (``$OUT`` defaults to ./out).
 About 5-6 minutes on an H200 for all three configs, most of it Inductor compiling (first steps).
@@ -94,11 +99,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_steps(step, steps: int, device: torch.device, warmup: int = 2) -> dict:
+def timed_steps(step, steps: int, device: torch.device, warmup: int = 2, breakdown: bool = False) -> dict:
     """Run ``step()`` once (it compiles), ``warmup`` more times, then ``steps`` timed.
 
-    Returns times, the peak memory over the timed steps, the code Inductor generated in the first
-    step (``codes``, to be popped before the result is saved) and its kernel counts."""
+    Returns times, the peak memory over the timed steps and the memory held between steps
+    (``resting_bytes``: weights, optimizer state, what survives a step), the code Inductor generated
+    in the first step (``codes``, to be popped before the result is saved), its kernel counts and,
+    with ``breakdown``, GPU kernel time by family (``kernel_breakdown``)."""
     from torch._inductor.utils import run_and_get_code
     t0 = time.perf_counter()
     first, codes = run_and_get_code(lambda: float(step()))
@@ -107,8 +114,10 @@ def timed_steps(step, steps: int, device: torch.device, warmup: int = 2) -> dict
     for _ in range(warmup):
         step()
     sync(device)
+    resting = float("nan")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        resting = torch.cuda.memory_allocated(device)
     losses = []
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -116,8 +125,13 @@ def timed_steps(step, steps: int, device: torch.device, warmup: int = 2) -> dict
     sync(device)
     step_s = (time.perf_counter() - t0) / steps
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else float("nan")
-    return dict(first_step_s=first_s, compile_s=max(first_s - step_s, 0.0), step_s=step_s, peak_bytes=peak,
-                first_loss=first, last_loss=float(losses[-1]), kernels=count_kernels(codes), codes=codes)
+    result = dict(first_step_s=first_s, compile_s=max(first_s - step_s, 0.0), step_s=step_s, peak_bytes=peak,
+                  resting_bytes=resting, first_loss=first, last_loss=float(losses[-1]), kernels=count_kernels(codes),
+                  codes=codes)
+    if breakdown and device.type == "cuda":
+        from autopar.cost_model.calibrate import kernel_breakdown
+        result["breakdown"] = kernel_breakdown(step)
+    return result
 
 
 def free_memory() -> None:
@@ -165,6 +179,9 @@ CASES = {
     "h1024": Case("h1024", 50304, 1024, 24, 16, 1024, 16),
 }
 SMOKE = Case("smoke", 512, 64, 2, 4, 64, 4)
+# contender -> (who, torch.compile mode): "-cudagraphs" replays CUDA graphs (mode "reduce-overhead")
+CONTENDERS = {"plain": ("plain", None), "autopar": ("autopar", None),
+              "plain-cudagraphs": ("plain", "reduce-overhead"), "autopar-cudagraphs": ("autopar", "reduce-overhead")}
 
 
 def has_precision_knob() -> bool:
@@ -184,36 +201,39 @@ def _build(case: Case, device, mixed: bool, dtype: torch.dtype):
     return model, idx, tgt
 
 
-def run_plain(case: Case, device, mixed: bool, dtype, steps: int) -> dict:
-    """torch.compile of the unsharded model, fused AdamW."""
+def run_plain(case: Case, device, mixed: bool, dtype, steps: int, breakdown: bool = False, mode=None) -> dict:
+    """torch.compile of the unsharded model (in torch.compile ``mode``), fused AdamW."""
     free_memory()
     model, idx, tgt = _build(case, device, mixed, dtype)
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, mode=mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if mixed else nullcontext
 
     def step():
         opt.zero_grad(set_to_none=True)
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
         with autocast():
             loss = compiled(idx, tgt)
         loss.backward()
         opt.step()
         return loss.detach()
 
-    result = timed_steps(step, steps, device)
+    result = timed_steps(step, steps, device, breakdown=breakdown)
     result.pop("codes")
     result.update(setup_s=0.0)
     return result
 
 
-def run_autopar(case: Case, device, mixed: bool, dtype, steps: int, profile: str) -> dict:
+def run_autopar(case: Case, device, mixed: bool, dtype, steps: int, profile: str, breakdown: bool = False,
+                mode=None) -> dict:
     """autopar.parallelize on mesh (1, 1, 1), compiled with Inductor, the same optimizer."""
     import autopar
     free_memory()
     model, idx, tgt = _build(case, device, mixed, dtype)
     kw = dict(precision="bf16") if mixed else {}
     t0 = time.perf_counter()
-    pm = autopar.parallelize(model, (1, 1, 1), (idx, tgt), compile=True, device=profile, **kw)
+    pm = autopar.parallelize(model, (1, 1, 1), (idx, tgt), compile=mode or True, device=profile, **kw)
     setup_s = time.perf_counter() - t0
     # parallelize copies the weights into its own parameters; drop the model's so memory is autopar's alone
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -227,7 +247,7 @@ def run_autopar(case: Case, device, mixed: bool, dtype, steps: int, profile: str
         opt.step()
         return loss.detach()
 
-    result = timed_steps(step, steps, device)
+    result = timed_steps(step, steps, device, breakdown=breakdown)
     result.pop("codes")
     graph_collectives = sum(1 for n in pm.graph_module.graph.nodes
                             if n.op == "call_function" and "c10d" in str(n.target))
@@ -248,8 +268,10 @@ def predict(case: Case, mixed: bool, dtype, profile: str) -> dict:
     t0 = time.perf_counter()
     plan = autopar.plan(model, (1, 1, 1), example_inputs(case.gpt_config(), case.batch, case.seq, device="meta"),
                         device=profile, **kw)
-    return dict(step_s=plan.predicted_step_time, peak_bytes=max(m.peak for m in plan.memory),
-                plan_s=time.perf_counter() - t0)
+    mem = max(plan.memory, key=lambda m: m.peak)
+    return dict(step_s=plan.predicted_step_time, peak_bytes=mem.peak, plan_s=time.perf_counter() - t0,
+                memory=dict(params=mem.params, grads=mem.grads, optimizer=mem.optimizer,
+                            activations=mem.activations, transient=mem.transient))
 
 
 def matmul_ceiling(device, n: int, dtype, repeats: int = 20) -> float:
@@ -281,11 +303,59 @@ def _row(case: Case, name: str, r: dict) -> list:
             f"{r['kernels']['generated']} / {r['kernels']['extern']}"]
 
 
+def predictions(cases, measured: dict, mixed: bool, dtype, profile: str, report: dict) -> None:
+    """autopar.plan's predicted step time and peak for each case beside ``measured`` (config -> run),
+    printed as a table and added to ``report["predictions"]``."""
+    prow = []
+    for case in cases:
+        p = predict(case, mixed, dtype, profile)
+        m = measured.get(case.name)
+        entry = dict(config=case.name, predicted_step_s=p["step_s"], predicted_peak_bytes=p["peak_bytes"],
+                     plan_s=p["plan_s"])
+        if m:
+            entry.update(measured_step_s=m["step_s"], measured_by=m["contender"], time_ratio=m["step_s"] / p["step_s"])
+            entry["time_ok"] = abs(entry["time_ratio"] - 1) <= 0.15
+            if m["peak_bytes"] == m["peak_bytes"]:   # NaN where the device keeps no allocator statistics
+                entry.update(measured_peak_bytes=m["peak_bytes"], memory_ratio=m["peak_bytes"] / p["peak_bytes"])
+                entry["memory_ok"] = abs(entry["memory_ratio"] - 1) <= 0.10
+        entry["predicted_memory"] = p["memory"]
+        if m and m.get("resting_bytes") == m.get("resting_bytes"):
+            entry["measured_resting_bytes"] = m["resting_bytes"]
+        report["predictions"].append(entry)
+        prow.append([case.name, f"{p['step_s'] * 1e3:.1f}",
+                     f"{m['step_s'] * 1e3:.1f} ({m['contender']})" if m else "-",
+                     _fmt(entry.get("time_ratio")), _verdict(entry.get("time_ok")),
+                     f"{p['peak_bytes'] / GiB:.2f}", _fmt(entry.get("measured_peak_bytes"), GiB, ".2f"),
+                     _fmt(entry.get("memory_ratio")), _verdict(entry.get("memory_ok"))])
+    print(f"\n## autopar.plan(device={profile!r}) predicted vs measured (accept: time 15%, memory 10%)\n")
+    print(markdown(["config", "pred ms", "meas ms", "meas/pred", "time ok", "pred GiB", "meas GiB", "meas/pred",
+                    "mem ok"], prow))
+
+
+def predict_from(path: str, profile: str) -> int:
+    """The prediction table for the runs a GPU run saved in ``path`` (its compile_gpu.json), on this
+    machine: ``autopar.plan`` prices on the meta device, so a changed cost model needs no GPU."""
+    with open(path) as fh:
+        saved = json.load(fh)
+    started = time.perf_counter()
+    measured: dict[str, dict] = {}
+    for r in saved["runs"]:
+        if r["contender"] == "autopar" or r["config"] not in measured:
+            measured[r["config"]] = r
+    cases = [replace(CASES[c], batch=measured[c]["batch"]) for c in measured]
+    print(f"# predictions for the runs in {path} (measured with torch {saved['torch']} on {saved['device']})")
+    report = dict(source=path, measured_with=saved["torch"], predictions=[])
+    predictions(cases, measured, saved["mixed_precision"], torch.bfloat16, profile, report)
+    write_report(report, "compile_gpu_predictions.json", started)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="h2048,gpt2-xl,h1024",
                     help=f"comma-separated, from {', '.join(CASES)}")
-    ap.add_argument("--contenders", default="plain,autopar")
+    ap.add_argument("--contenders", default="plain,autopar", help=f"comma-separated, from {', '.join(CONTENDERS)}")
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the profiler's kernel-time breakdown")
     ap.add_argument("--predict-only", default="h1024",
                     help="configs for which only autopar runs (its numbers are what the prediction is checked "
                          "against); the others run every contender")
@@ -296,14 +366,18 @@ def main(argv=None) -> int:
     ap.add_argument("--no-matmul", action="store_true")
     ap.add_argument("--no-predict", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny config on CPU/gloo, 3 steps")
+    ap.add_argument("--predict-from", metavar="RESULTS.json",
+                    help="run nothing: put the current cost model's predictions beside a saved GPU run's results")
     args = ap.parse_args(argv)
+    if args.predict_from:
+        return predict_from(args.predict_from, args.device or "h200")
 
     unknown = [c for c in args.configs.split(",") if c not in CASES]
     if unknown and not args.cpu_smoke:
         ap.error(f"unknown config(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
     contenders = args.contenders.split(",")
-    if set(contenders) - {"plain", "autopar"}:
-        ap.error("--contenders takes plain and/or autopar")
+    if set(contenders) - set(CONTENDERS):
+        ap.error(f"--contenders takes {', '.join(CONTENDERS)}")
     if args.cpu_smoke:
         device, cases, steps, profile = torch.device("cpu"), [SMOKE], 3, args.device or "cpu"
         predict_only: set[str] = set()
@@ -338,11 +412,13 @@ def main(argv=None) -> int:
     for case in cases:
         results = {}
         for who in contenders:
-            if case.name in predict_only and who != "autopar":
+            kind, mode = CONTENDERS[who]
+            if case.name in predict_only and kind != "autopar":
                 continue
             t0 = time.perf_counter()
-            r = (run_plain(case, device, mixed, dtype, steps) if who == "plain"
-                 else run_autopar(case, device, mixed, dtype, steps, profile))
+            bd = not args.no_breakdown
+            r = (run_plain(case, device, mixed, dtype, steps, bd, mode) if kind == "plain"
+                 else run_autopar(case, device, mixed, dtype, steps, profile, bd, mode))
             r.update(config=case.name, contender=who, batch=case.batch, seq=case.seq,
                      tokens_per_s=case.batch * case.seq / r["step_s"], mfu=case.flops / r["step_s"] / PEAK_BF16,
                      wall_s=time.perf_counter() - t0)
@@ -351,15 +427,17 @@ def main(argv=None) -> int:
             rows.append(_row(case, who, r))
             print(f"  {case.name} {who}: {r['step_s'] * 1e3:.1f} ms/step, MFU {r['mfu']:.1%}, "
                   f"{r['wall_s']:.0f} s in all", flush=True)
-        if "plain" in results and "autopar" in results:
-            report.setdefault("speedup", {})[case.name] = results["plain"]["step_s"] / results["autopar"]["step_s"]
+        for base, other in (("plain", "autopar"), ("plain-cudagraphs", "autopar-cudagraphs"), ("plain", "autopar-cudagraphs")):
+            if base in results and other in results:
+                key = f"{case.name}: {other} / {base} speed"
+                report.setdefault("speedup", {})[key] = results[base]["step_s"] / results[other]["step_s"]
         measured[case.name] = results.get("autopar") or results.get("plain")
 
     print("\n## Plain torch.compile vs autopar (1,1,1)\n")
     print(markdown(["config", "contender", "batch x seq", "tokens/s", "MFU", "peak GiB", "compile s", "setup s",
                     "step ms", "kernels gen / extern"], rows))
     for c, s in report.get("speedup", {}).items():
-        print(f"\n{c}: autopar / plain speed = {s:.3f}x")
+        print(f"\n{c} = {s:.3f}x")
     print("\n## What autopar's (1,1,1) path runs\n")
     for r in report["runs"]:
         if r["contender"] != "autopar":
@@ -371,28 +449,18 @@ def main(argv=None) -> int:
               f"generated code; Inductor kernels generated / extern {k['generated']} / {k['extern']}{versus}; "
               f"parallelize copied {r['model_bytes'] / GiB:.2f} GiB of weights into its own parameters")
 
+    broken = [r for r in report["runs"] if "breakdown" in r]
+    if broken:
+        from autopar.cost_model.calibrate import KERNEL_FAMILIES
+        names = [n for n, _ in KERNEL_FAMILIES]
+        print("\n## GPU kernel time per step by family, ms (torch.profiler, 3 steps)\n")
+        print(markdown(["config", "contender", *names, "all kernels", "step wall"],
+                       [[r["config"], r["contender"], *(f"{r['breakdown']['families'][n] * 1e3:.1f}" for n in names),
+                         f"{r['breakdown']['kernels_s'] * 1e3:.1f}", f"{r['breakdown']['wall_s'] * 1e3:.1f}"]
+                        for r in broken]))
+
     if not args.no_predict:
-        prow = []
-        for case in cases:
-            p = predict(case, mixed, dtype, profile)
-            m = measured.get(case.name)
-            entry = dict(config=case.name, predicted_step_s=p["step_s"], predicted_peak_bytes=p["peak_bytes"],
-                         plan_s=p["plan_s"])
-            if m:
-                entry.update(measured_step_s=m["step_s"], measured_by=m["contender"], time_ratio=m["step_s"] / p["step_s"])
-                entry["time_ok"] = abs(entry["time_ratio"] - 1) <= 0.15
-                if m["peak_bytes"] == m["peak_bytes"]:   # NaN where the device keeps no allocator statistics
-                    entry.update(measured_peak_bytes=m["peak_bytes"], memory_ratio=m["peak_bytes"] / p["peak_bytes"])
-                    entry["memory_ok"] = abs(entry["memory_ratio"] - 1) <= 0.10
-            report["predictions"].append(entry)
-            prow.append([case.name, f"{p['step_s'] * 1e3:.1f}",
-                         f"{m['step_s'] * 1e3:.1f} ({m['contender']})" if m else "-",
-                         _fmt(entry.get("time_ratio")), _verdict(entry.get("time_ok")),
-                         f"{p['peak_bytes'] / GiB:.2f}", _fmt(entry.get("measured_peak_bytes"), GiB, ".2f"),
-                         _fmt(entry.get("memory_ratio")), _verdict(entry.get("memory_ok"))])
-        print(f"\n## autopar.plan(device={profile!r}) predicted vs measured (accept: time 15%, memory 10%)\n")
-        print(markdown(["config", "pred ms", "meas ms", "meas/pred", "time ok", "pred GiB", "meas GiB", "meas/pred",
-                        "mem ok"], prow))
+        predictions(cases, measured, mixed, dtype, profile, report)
 
     write_report(report, "compile_gpu.json", started)
     return 0

@@ -9,17 +9,17 @@
   An axis whose ranks span nodes (``axis_is_inter_node``) is priced at the inter-node tier.
 - Compute (``op_flops``, ``node_flops``, ``node_bytes``, ``compute_time``): FLOPs from PyTorch's
   flop counter on meta tensors, bytes from the FX node's tensor metadata, and a roofline time
-  max(FLOPs / rate, bytes / HBM bandwidth), the rate measured by ``calibrate`` where a profile
-  has it, else peak * matmul_efficiency.
+  max(FLOPs / rate, bytes / HBM bandwidth), the rate measured by ``calibrate`` (matmuls, and
+  fused attention separately) where a profile has it, else peak * matmul_efficiency.
 - ``calibrate`` measures a device profile; ``symbolic`` gives a plan's costs as sympy
   expressions in batch and sequence length.
 """
 from .comm import axis_is_inter_node, collective_bytes_on_wire, collective_time, summed_bytes
-from .compute import compute_time, node_bytes, node_flops, op_flops
+from .compute import attention_kind, compute_time, node_bytes, node_flops, op_flops
 from .devices import DEVICES, DeviceSpec, get_device
 
 __all__ = [
     "DeviceSpec", "DEVICES", "get_device",
     "collective_time", "collective_bytes_on_wire", "axis_is_inter_node", "summed_bytes",
-    "op_flops", "node_flops", "node_bytes", "compute_time",
+    "op_flops", "node_flops", "node_bytes", "compute_time", "attention_kind",
 ]

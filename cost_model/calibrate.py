@@ -8,6 +8,17 @@ What is measured, on CUDA when it is available, else on the CPU:
   enough calls or time have passed; the median time gives 2mnk / t FLOP/s. Shapes are taken from
   small to large and a dtype stops when the next shape would overrun its share of the time
   budget, so a slow dtype (fp16 on many CPUs) costs seconds, not minutes.
+- Fused attention: ``scaled_dot_product_attention`` forward + backward, causal, at a few GPT-like
+  (batch, heads, seq, head_dim) shapes in the 16-bit dtypes (fp32 on the CPU), with the backend
+  torch picks (cuDNN on Hopper with torch 2.11): FLOP/s as the flop counter counts them over the
+  median time.
+- Memory-bound ops as Inductor compiles them: a reference bf16 GPT (4 layers, h=1536, 8 x 1024
+  tokens, vocab 32768) runs forward and backward under torch.compile; the bytes the cost model
+  counts for its ops without FLOPs (``autopar.planner.op_traffic``) over the GPU time of its
+  kernels that are not matmuls, attention or the optimizer (torch.profiler) is ``fused_bandwidth``.
+  GPU only: on the CPU the copy bandwidth stands in for it.
+- The optimizer: one fused AdamW step (foreach on the CPU) over many fp32 tensors; its 7 reads
+  and writes per parameter over the median time is ``optimizer_bandwidth``.
 - Memory bandwidth: a copy of a large buffer, read + write bytes over the median time.
 - Kernel launch overhead: a run of tiny in-place adds, time per op. The cost model uses it as
   the floor of any op's time.
@@ -32,6 +43,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import statistics
 import time
 from dataclasses import replace
@@ -43,7 +55,7 @@ import torch.distributed as dist
 from scipy.optimize import nnls
 
 from .comm import axis_is_inter_node, collective_bytes_on_wire
-from .devices import DEVICES, CollectiveFit, DeviceSpec, MatmulSample, get_device
+from .devices import DEVICES, AttentionSample, CollectiveFit, DeviceSpec, MatmulSample, get_device
 
 MEASURED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 _RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
@@ -147,6 +159,118 @@ def measure_matmuls(device: str, shapes: list[tuple[int, int, int]], *, budget_s
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     return samples
+
+
+# (batch, heads, seq, head_dim), ordered by FLOPs
+_GPU_ATTENTION = [(16, 16, 512, 64), (16, 16, 1024, 64), (16, 25, 1024, 64), (8, 16, 2048, 128),
+                  (4, 32, 4096, 128)]
+_GPU_ATTENTION_QUICK = [(16, 16, 1024, 64), (8, 16, 2048, 128)]
+_CPU_ATTENTION = [(2, 4, 128, 32), (2, 4, 256, 64)]
+
+
+def measure_attention(device: str, shapes: list[tuple[int, int, int, int]], *, dtypes: tuple[str, ...] | None = None,
+                      min_time: float = 0.1, log: Callable[[str], None] = lambda s: None) -> list[AttentionSample]:
+    """Achieved FLOP/s of causal fused attention, forward + backward, per dtype and shape."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    if dtypes is None:
+        dtypes = ("bf16", "fp16") if device == "cuda" else ("fp32",)
+    samples = []
+    for d in dtypes:
+        for b, h, s, hd in shapes:
+            q, k, v = (torch.randn(b, h, s, hd, device=device, dtype=_DTYPES[d], requires_grad=True)
+                       for _ in range(3))
+            grad = torch.randn_like(q)
+
+            def step():
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+            t = time_op(step, device, warmup=2, min_time=min_time)
+            shape = (b, h, s, hd)
+            flops = sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)
+            samples.append(AttentionSample(d, b, h, s, hd, 1, flops / t))
+            log(f"  attention {d:4s} causal {b}x{h}x{s}x{hd}: {_rate(flops / t)} (fwd+bwd {t * 1e3:.2f} ms)")
+    return samples
+
+
+# Kernel families by name, first match wins: cuBLAS/CUTLASS matmuls, fused attention (FlashAttention,
+# cuDNN, memory-efficient), the fused optimizer, Inductor's Triton kernels by kind, NCCL; "other"
+# is every other kernel (eager elementwise, copies, embedding backward).
+KERNEL_FAMILIES = [("matmul", r"gemm|nvjet|cutlass|xmma|cublas"), ("attention", r"flash|fmha|sdpa|attention"),
+                   ("optimizer", r"multi_tensor|adam"), ("triton reduction", r"^triton_(red|per)_"),
+                   ("triton pointwise", r"^triton_"), ("nccl", r"nccl"), ("other", r"")]
+MEMORY_BOUND_FAMILIES = ("triton reduction", "triton pointwise", "other")
+
+
+def kernel_breakdown(step: Callable[[], object], steps: int = 3) -> dict:
+    """GPU kernel seconds per call of ``step`` by family (``KERNEL_FAMILIES``), from torch.profiler
+    over ``steps`` calls, with the wall time per call and the 15 costliest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    families = {name: 0.0 for name, _ in KERNEL_FAMILIES}
+    kernels: dict[str, float] = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        if not t or str(getattr(e, "device_type", "")).endswith("CPU"):
+            continue
+        family = next(name for name, pat in KERNEL_FAMILIES if re.search(pat, e.key, re.I))
+        families[family] += t / 1e6 / steps
+        kernels[e.key] = kernels.get(e.key, 0.0) + t / 1e6 / steps
+    return dict(families=families, kernels_s=sum(families.values()), wall_s=wall,
+                top=sorted(kernels.items(), key=lambda kv: -kv[1])[:15])
+
+
+# The reference GPT whose memory-bound kernels calibrate ``fused_bandwidth`` (no benchmark config)
+_REFERENCE_GPT = dict(vocab_size=32768, block_size=1024, n_layer=4, n_head=12, n_embd=1536)
+_REFERENCE_BATCH = 8
+
+
+def measure_fused_bandwidth(device: str, log: Callable[[str], None] = lambda s: None) -> float:
+    """Bytes/s Inductor's memory-bound kernels reach in a bf16 GPT training step, counting bytes as
+    the cost model does: the reference GPT's memory-bound traffic (``autopar.planner.op_traffic``
+    of its ops without FLOPs) over the GPU time of its kernels that are neither matmuls, attention
+    nor the optimizer (torch.profiler, ``kernel_breakdown``). CUDA only."""
+    from autopar.cost_model.compute import node_flops
+    from autopar.examples.gpt import GPT, GPTConfig, example_inputs
+    from autopar.passes.capture import capture_pass
+    from autopar.planner import VIEW_OPS, op_traffic
+
+    cfg = GPTConfig(**_REFERENCE_GPT)
+    with torch.device("meta"):
+        meta = GPT(cfg).to(torch.bfloat16)
+    graph = capture_pass(meta, example_inputs(cfg, _REFERENCE_BATCH, cfg.block_size, device="meta")).gm.graph
+    nbytes = sum(op_traffic(n) for n in graph.nodes if n.op == "call_function" and n.target not in VIEW_OPS
+                 and node_flops(n) == (0.0, 0.0))
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device=device, dtype=torch.bfloat16)
+    idx, tgt = example_inputs(cfg, _REFERENCE_BATCH, cfg.block_size, device=device)
+    compiled = torch.compile(model)
+
+    def step():
+        compiled(idx, tgt).backward()
+    for _ in range(3):   # compile, then settle
+        step()
+    seconds = sum(kernel_breakdown(step)["families"][f] for f in MEMORY_BOUND_FAMILIES)
+    log(f"  memory-bound kernels of a bf16 GPT step ({cfg.n_layer} x h={cfg.n_embd}, {_REFERENCE_BATCH} x "
+        f"{cfg.block_size} tokens, vocab {cfg.vocab_size}): {seconds * 1e3:.2f} ms for "
+        f"{nbytes / 1e9:.2f} GB as counted = {nbytes / seconds / 1e9:.0f} GB/s")
+    return nbytes / seconds
+
+
+def measure_optimizer_bandwidth(device: str, numel: int, *, min_time: float = 0.1) -> float:
+    """Bytes/s of AdamW's 7 fp32 reads and writes per parameter: fused on CUDA, foreach on the CPU."""
+    params = [torch.nn.Parameter(torch.randn(numel // 64, device=device)) for _ in range(64)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    kind = dict(fused=True) if device == "cuda" else dict(foreach=True)
+    opt = torch.optim.AdamW(params, lr=1e-4, **kind)
+    t = time_op(opt.step, device, warmup=2, min_time=min_time)
+    return 7 * 4 * (numel // 64) * 64 / t
 
 
 def measure_bandwidth(device: str, nbytes: int, *, min_time: float = 0.1) -> float:
@@ -281,11 +405,17 @@ def calibrate(*, quick: bool = False, base: str | DeviceSpec | None = None, name
         f"({'quick' if quick else 'full'}), unmeasured fields from {base_spec.name!r}")
     table = measure_matmuls(device, shapes, budget_s=(30.0 if gpu else 15.0) if quick else 240.0,
                             min_time=min_time, log=log)
+    attention = measure_attention(device, (_GPU_ATTENTION_QUICK if quick else _GPU_ATTENTION) if gpu
+                                  else _CPU_ATTENTION, min_time=min_time, log=log)
     copy_bytes = (2**30 if gpu else 2**27) // (4 if quick else 1)
     bandwidth = measure_bandwidth(device, copy_bytes, min_time=min_time)
     log(f"  memory bandwidth (copy of {copy_bytes / 2**20:.0f} MiB): {bandwidth / 1e9:.1f} GB/s")
     launch = measure_launch_overhead(device, min_time=min_time)
     log(f"  launch overhead: {launch * 1e6:.2f} us per op")
+    fused = measure_fused_bandwidth(device, log=log) if gpu else 0.0
+    # large enough that the step's Python overhead does not count
+    optimizer = measure_optimizer_bandwidth(device, 2**28 if gpu else 2**21, min_time=min_time)
+    log(f"  AdamW update: {optimizer / 1e9:.1f} GB/s of parameter and state traffic")
 
     best = {d: max(s.flops_per_s for s in table if s.dtype == d) for d in {s.dtype for s in table}}
     peaks = dict(base_spec.peak_flops)
@@ -312,7 +442,9 @@ def calibrate(*, quick: bool = False, base: str | DeviceSpec | None = None, name
     spec = replace(spec, name=name or f"{'cuda ' + torch.cuda.get_device_name() if gpu else 'cpu'} (measured)",
                    peak_flops=peaks, matmul_efficiency=efficiency, mem_bandwidth=bandwidth,
                    memory_bytes=torch.cuda.get_device_properties(0).total_memory if gpu else _host_memory(),
-                   launch_overhead=launch, matmul_table=tuple(table), gpus_per_node=per_node)
+                   launch_overhead=launch, fused_bandwidth=fused, optimizer_bandwidth=optimizer,
+                   matmul_table=tuple(table), attention_table=tuple(attention),
+                   gpus_per_node=per_node)
     record = {
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
@@ -368,6 +500,13 @@ def summary(spec: DeviceSpec) -> str:
         xs, ys = spec.matmul_curve(d)
         lines.append(f"  matmul {d:4s}: {_rate(min(ys))} .. {_rate(max(ys))} over "
                      f"{len(xs)} sizes (2mnk from {xs[0]:.2g} to {xs[-1]:.2g})")
+    for d, causal in sorted({(s.dtype, s.causal) for s in spec.attention_table}):
+        xs, ys = spec.attention_curve(d, causal)
+        lines.append(f"  attention {d:4s}{' causal' if causal else ''}: {_rate(min(ys))} .. {_rate(max(ys))} "
+                     f"over {len(xs)} sizes")
+    if spec.fused_bandwidth or spec.optimizer_bandwidth:
+        lines.append(f"  memory-bound ops (Inductor) {spec.fused_bandwidth / 1e9:.1f} GB/s, AdamW "
+                     f"{spec.optimizer_bandwidth / 1e9:.1f} GB/s (0: copy bandwidth)")
     lines.append(f"  memory bandwidth {spec.mem_bandwidth / 1e9:.1f} GB/s, launch overhead "
                  f"{spec.launch_overhead * 1e6:.2f} us, matmul efficiency {spec.matmul_efficiency:.2f}")
     for f in spec.collective_fits:

@@ -211,16 +211,39 @@ def node_bytes(node: torch.fx.Node) -> float:
     return float(read + written)
 
 
-def compute_time(flops, nbytes, dev: DeviceSpec, dtype: torch.dtype | str | None):
-    """Roofline seconds: max(flops / matmul_rate(flops), nbytes / HBM bandwidth, launch overhead).
+ATTENTION_OPS = {torch.ops.aten.scaled_dot_product_attention.default,
+                 torch.ops.aten._scaled_dot_product_flash_attention.default,
+                 torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                 torch.ops.aten._scaled_dot_product_cudnn_attention.default}
+
+
+def attention_kind(node: torch.fx.Node) -> bool | None:
+    """For a fused attention node, whether it is causal; None for any other node."""
+    if node.op != "call_function" or node.target not in ATTENTION_OPS:
+        return None
+    schema = node.target._schema
+    names = [a.name for a in schema.arguments]
+    k = names.index("is_causal")
+    value = node.args[k] if len(node.args) > k else node.kwargs.get("is_causal", schema.arguments[k].default_value)
+    return bool(value)
+
+
+def compute_time(flops, nbytes, dev: DeviceSpec, dtype: torch.dtype | str | None, causal: bool | None = None):
+    """Roofline seconds: max(flops / rate(flops), nbytes / bandwidth, launch overhead).
+
+    The bandwidth is the profile's ``op_bandwidth``: what Inductor's memory-bound kernels reach
+    when it was measured, else the HBM copy bandwidth.
 
     The rate is the profile's measured matmul FLOP/s at this size when it has samples of
-    ``dtype`` (``matmul_rate``), else ``peak(dtype) * matmul_efficiency``. ``flops`` and
+    ``dtype`` (``matmul_rate``), else ``peak(dtype) * matmul_efficiency``; for fused attention
+    (``causal`` True or False, see ``attention_kind``) the measured attention rate when the
+    profile has samples of that dtype and causality. ``flops`` and
     ``nbytes`` may be numbers or sympy expressions (``cost_model.symbolic``); the result is of
     the same kind. With ``flops == 0`` the dtype is not consulted (integer ops and ``None`` are fine)."""
-    terms = [nbytes / dev.mem_bandwidth]
+    terms = [nbytes / dev.op_bandwidth]
     if not _is_zero(flops):
-        terms.append(flops / matmul_rate(flops, dev, dtype))
+        curve = dev.attention_curve(dtype, causal) if causal is not None else None
+        terms.append(flops / (curve_rate(flops, curve) if curve else matmul_rate(flops, dev, dtype)))
     if dev.launch_overhead > 0:
         terms.append(dev.launch_overhead)
     if any(isinstance(t, sympy.Basic) for t in terms):
@@ -228,14 +251,35 @@ def compute_time(flops, nbytes, dev: DeviceSpec, dtype: torch.dtype | str | None
     return float(max(terms))
 
 
-def matmul_rate(flops, dev: DeviceSpec, dtype: torch.dtype | str):
-    """FLOP/s a matmul of ``flops`` FLOPs reaches on ``dev``: the measured curve (achieved FLOP/s
-    linear in log FLOPs between samples, constant beyond them) or ``peak * matmul_efficiency``.
+# AdamW reads the fp32 parameter, gradient and both moments and writes back all but the gradient.
+ADAMW_TRAFFIC = 7.0
+# A 16-bit working copy: forward reads the fp32 weight and writes 16 bits, backward reads the
+# 16-bit gradient and writes fp32 (per fp32 parameter byte: 1.5 + 1.5).
+WORKING_COPY_TRAFFIC = 3.0
 
-    For a sympy ``flops`` the curve is a ``Piecewise`` over the same segments."""
+
+def update_time(param_bytes: float, dev: DeviceSpec, *, working_copy: bool, optimizer_shards: int = 1) -> float:
+    """Seconds a rank spends per step on its weights outside the forward and backward ops: the
+    AdamW update of its ``param_bytes`` of fp32 parameters (of 1/``optimizer_shards`` of them
+    under ZeRO-1), at ``optimizer_bandwidth``, and with ``working_copy`` the casts to and from a
+    16-bit copy, at ``op_bandwidth`` (they run inside the compiled graph)."""
+    optimizer = ADAMW_TRAFFIC * param_bytes / optimizer_shards / (dev.optimizer_bandwidth or dev.mem_bandwidth)
+    casts = WORKING_COPY_TRAFFIC * param_bytes / dev.op_bandwidth if working_copy else 0.0
+    return optimizer + casts
+
+
+def matmul_rate(flops, dev: DeviceSpec, dtype: torch.dtype | str):
+    """FLOP/s a matmul of ``flops`` FLOPs reaches on ``dev``: the measured curve (``curve_rate``)
+    or ``peak * matmul_efficiency``."""
     curve = dev.matmul_curve(dtype)
     if curve is None:
         return dev.flops(dtype) * dev.matmul_efficiency
+    return curve_rate(flops, curve)
+
+
+def curve_rate(flops, curve: tuple[tuple[float, ...], tuple[float, ...]]):
+    """The rate a measured (FLOPs, FLOP/s) curve gives at ``flops``: linear in log FLOPs between
+    samples, constant beyond them; a sympy ``Piecewise`` for a sympy ``flops``."""
     xs, ys = curve
     # (rate as a function of flops, the largest flops it applies to), in order
     pieces = [(lambda x: ys[0], xs[0])]

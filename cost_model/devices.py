@@ -11,7 +11,15 @@ A profile may carry what was measured, and the cost model then prices with it:
   cost model reads it as achieved FLOP/s against a matmul's FLOPs (2mnk), interpolated
   linearly in log(FLOPs) and clamped at the smallest and largest measured sizes
   (``matmul_curve``); a dtype with no samples falls back to ``peak * matmul_efficiency``.
+- ``attention_table``: fused attention (``scaled_dot_product_attention``, forward plus backward)
+  per dtype, causal or not, with the backend torch picks, and the FLOP/s it reached, counting FLOPs as ``torch.utils.flop_counter`` does (all s^2 scores, also
+  when causal). Read like the matmul table (``attention_curve``); without samples attention is
+  priced as a matmul.
 - ``launch_overhead``: the shortest time any kernel takes, a floor under every op's time.
+- ``fused_bandwidth``: bytes/s that Inductor's generated memory-bound kernels reach, counting
+  bytes as the cost model does (``autopar.planner.op_traffic``); the HBM copy bandwidth when 0.
+- ``optimizer_bandwidth``: bytes/s of the fused AdamW update (7 fp32 reads and writes per
+  parameter, ``cost_model.compute.update_time``); the HBM copy bandwidth when 0.
 - ``collective_fits``: alpha-beta fits per collective kind and network tier, used instead of
   the tier's ``*_node_bw`` / ``*_node_latency`` for that kind (``collective_params``).
 
@@ -72,6 +80,27 @@ class MatmulSample:
 
 
 @dataclass(frozen=True)
+class AttentionSample:
+    """One measured attention forward + backward: (batch, heads, seq, head_dim) queries, keys and
+    values in ``dtype``, ``causal`` 1 or 0, at ``flops_per_s`` = its counted FLOPs / seconds."""
+
+    dtype: str
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+    causal: int
+    flops_per_s: float
+
+    @property
+    def flops(self) -> int:
+        """Forward plus backward FLOPs as ``torch.utils.flop_counter`` counts them."""
+        from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+        q = (self.batch, self.heads, self.seq, self.head_dim)
+        return int(sdpa_flop_count(q, q, q) + sdpa_backward_flop_count(q, q, q, q))
+
+
+@dataclass(frozen=True)
 class CollectiveFit:
     """A fitted collective: on network ``tier`` ("intra" or "inter" node), ``kind`` takes
     ring_bytes / ``bandwidth`` + ring_steps * ``latency`` seconds (see ``cost_model.comm``)."""
@@ -90,7 +119,7 @@ class DeviceSpec:
     "fp8" (those the device has). ``intra_node_bw`` is the per-GPU, per-direction bus
     bandwidth of the intra-node fabric; ``inter_node_bw`` the per-GPU network bandwidth
     between nodes. ``matmul_efficiency`` is the fraction of peak a large matmul reaches.
-    ``launch_overhead``, ``matmul_table`` and ``collective_fits`` hold measurements (see the
+    ``launch_overhead``, ``matmul_table``, ``attention_table`` and ``collective_fits`` hold measurements (see the
     module docstring); the presets have none.
     """
 
@@ -105,17 +134,23 @@ class DeviceSpec:
     matmul_efficiency: float
     gpus_per_node: int = 8
     launch_overhead: float = 0.0
+    fused_bandwidth: float = 0.0
+    optimizer_bandwidth: float = 0.0
     matmul_table: tuple[MatmulSample, ...] = ()
+    attention_table: tuple[AttentionSample, ...] = ()
     collective_fits: tuple[CollectiveFit, ...] = ()
 
     def __post_init__(self) -> None:
         # A defensive copy: the spec is frozen, so a caller's dict must not be able to change it.
         object.__setattr__(self, "peak_flops", {str(k): float(v) for k, v in self.peak_flops.items()})
         object.__setattr__(self, "matmul_table", tuple(self.matmul_table))
+        object.__setattr__(self, "attention_table", tuple(self.attention_table))
         object.__setattr__(self, "collective_fits", tuple(self.collective_fits))
         _validate(self)
         # Derived once: the planner prices thousands of ops against the same spec.
-        object.__setattr__(self, "_curves", _matmul_curves(self.matmul_table))
+        object.__setattr__(self, "_curves", _curves((s.dtype, s.flops, s.flops_per_s) for s in self.matmul_table))
+        object.__setattr__(self, "_attention_curves",
+                           _curves(((s.dtype, bool(s.causal)), s.flops, s.flops_per_s) for s in self.attention_table))
         object.__setattr__(self, "_fits", {(f.tier, f.kind): (f.latency, f.bandwidth)
                                            for f in self.collective_fits})
 
@@ -140,6 +175,16 @@ class DeviceSpec:
         the profile has no matmul samples of that dtype. Samples of equal FLOPs are averaged."""
         return self._curves.get(dtype_key(dtype))
 
+    @property
+    def op_bandwidth(self) -> float:
+        """Bytes/s the cost model prices an op's memory traffic at: ``fused_bandwidth`` if measured."""
+        return self.fused_bandwidth or self.mem_bandwidth
+
+    def attention_curve(self, dtype: torch.dtype | str, causal: bool):
+        """Measured (FLOPs, achieved FLOP/s) points of fused attention (forward + backward) for
+        ``dtype`` and ``causal``, FLOPs increasing, or None without such samples."""
+        return self._attention_curves.get((dtype_key(dtype), bool(causal)))
+
     def collective_params(self, kind: str, inter_node: bool) -> tuple[float, float]:
         """(latency, bandwidth) for collective ``kind`` on one network tier: the fitted pair
         when the profile has one, else the tier's ``*_node_latency`` and ``*_node_bw``."""
@@ -157,7 +202,7 @@ class DeviceSpec:
             v = getattr(self, f.name)
             if f.name == "peak_flops":
                 v = dict(v)
-            elif f.name in ("matmul_table", "collective_fits"):
+            elif f.name in ("matmul_table", "attention_table", "collective_fits"):
                 v = [asdict(x) for x in v]
             out[f.name] = v
         return out
@@ -226,8 +271,10 @@ def _freeze(v: Any) -> Any:
 
 
 _FLOAT_FIELDS = ("mem_bandwidth", "intra_node_bw", "inter_node_bw", "intra_node_latency",
-                 "inter_node_latency", "matmul_efficiency", "launch_overhead")
-_OPTIONAL = ("gpus_per_node", "launch_overhead", "matmul_table", "collective_fits")
+                 "inter_node_latency", "matmul_efficiency", "launch_overhead", "fused_bandwidth",
+                 "optimizer_bandwidth")
+_OPTIONAL = ("gpus_per_node", "launch_overhead", "fused_bandwidth", "optimizer_bandwidth", "matmul_table",
+             "attention_table", "collective_fits")
 _INT_FIELDS = ("memory_bytes", "gpus_per_node")
 
 
@@ -267,6 +314,8 @@ def _parse_fields(data: dict[str, Any], where: str) -> dict[str, Any]:
         out[k] = int(v)
     if "matmul_table" in out:
         out["matmul_table"] = _parse_records(out["matmul_table"], MatmulSample, "matmul_table", where)
+    if "attention_table" in out:
+        out["attention_table"] = _parse_records(out["attention_table"], AttentionSample, "attention_table", where)
     if "collective_fits" in out:
         out["collective_fits"] = _parse_records(out["collective_fits"], CollectiveFit, "collective_fits", where)
     return out
@@ -322,18 +371,16 @@ def _validate(spec: DeviceSpec) -> None:
     if not (_is_num(spec.matmul_efficiency) and 0 < spec.matmul_efficiency <= 1):
         raise ValueError(f"device {spec.name!r}: field 'matmul_efficiency' must be in (0, 1], "
                          f"got {spec.matmul_efficiency!r}")
-    if not (_is_num(spec.launch_overhead) and spec.launch_overhead >= 0):
-        raise ValueError(f"device {spec.name!r}: field 'launch_overhead' must be >= 0, got {spec.launch_overhead!r}")
-    for i, s in enumerate(spec.matmul_table):
-        at = f"device {spec.name!r}: field 'matmul_table' [{i}]"
-        if not isinstance(s, MatmulSample):
-            raise ValueError(f"{at} must be a MatmulSample, got {s!r}")
-        if s.dtype not in FLOP_KEYS:
-            raise ValueError(f"{at}.dtype {s.dtype!r} is not one of {', '.join(FLOP_KEYS)}")
-        if min(s.m, s.n, s.k) < 1:
-            raise ValueError(f"{at}: m, n and k must be >= 1, got {s.m}, {s.n}, {s.k}")
-        if not (_is_num(s.flops_per_s) and s.flops_per_s > 0):
-            raise ValueError(f"{at}.flops_per_s must be > 0, got {s.flops_per_s!r}")
+    for k in ("launch_overhead", "fused_bandwidth", "optimizer_bandwidth"):
+        v = getattr(spec, k)
+        if not (_is_num(v) and v >= 0):
+            raise ValueError(f"device {spec.name!r}: field {k!r} must be >= 0, got {v!r}")
+    _check_samples(spec, "matmul_table", MatmulSample, ("m", "n", "k"))
+    _check_samples(spec, "attention_table", AttentionSample, ("batch", "heads", "seq", "head_dim"))
+    for i, s in enumerate(spec.attention_table):
+        if s.causal not in (0, 1):
+            raise ValueError(f"device {spec.name!r}: field 'attention_table' [{i}].causal must be 0 or 1, "
+                             f"got {s.causal!r}")
     seen = set()
     for i, f in enumerate(spec.collective_fits):
         from .comm import COLLECTIVES   # deferred: comm imports this module, and presets have no fits
@@ -353,12 +400,28 @@ def _validate(spec: DeviceSpec) -> None:
         seen.add((f.tier, f.kind))
 
 
-def _matmul_curves(table: tuple[MatmulSample, ...]) -> dict[str, tuple[tuple[float, ...], tuple[float, ...]]]:
-    by_dtype: dict[str, dict[int, list[float]]] = {}
-    for s in table:
-        by_dtype.setdefault(s.dtype, {}).setdefault(s.flops, []).append(s.flops_per_s)
-    return {d: (tuple(float(f) for f in sorted(pts)), tuple(math.fsum(pts[f]) / len(pts[f]) for f in sorted(pts)))
-            for d, pts in by_dtype.items()}
+def _check_samples(spec: DeviceSpec, name: str, cls: type, dims: tuple[str, ...]) -> None:
+    """Each measured sample of field ``name``: a ``cls`` of a known dtype, sizes >= 1, a rate > 0."""
+    for i, s in enumerate(getattr(spec, name)):
+        at = f"device {spec.name!r}: field {name!r} [{i}]"
+        if not isinstance(s, cls):
+            raise ValueError(f"{at} must be a {cls.__name__}, got {s!r}")
+        if s.dtype not in FLOP_KEYS:
+            raise ValueError(f"{at}.dtype {s.dtype!r} is not one of {', '.join(FLOP_KEYS)}")
+        if min(getattr(s, d) for d in dims) < 1:
+            raise ValueError(f"{at}: {', '.join(dims)} must be >= 1, got "
+                             f"{', '.join(str(getattr(s, d)) for d in dims)}")
+        if not (_is_num(s.flops_per_s) and s.flops_per_s > 0):
+            raise ValueError(f"{at}.flops_per_s must be > 0, got {s.flops_per_s!r}")
+
+
+def _curves(samples) -> dict[Any, tuple[tuple[float, ...], tuple[float, ...]]]:
+    """(key, FLOPs, FLOP/s) samples -> per key, the FLOPs in order and the mean rate at each."""
+    by_key: dict[Any, dict[int, list[float]]] = {}
+    for key, flops, rate in samples:
+        by_key.setdefault(key, {}).setdefault(flops, []).append(rate)
+    return {k: (tuple(float(f) for f in sorted(pts)), tuple(math.fsum(pts[f]) / len(pts[f]) for f in sorted(pts)))
+            for k, pts in by_key.items()}
 
 
 # Presets. Peak numbers are dense (no 2:4 sparsity) from NVIDIA's public data sheets; latencies

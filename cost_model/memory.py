@@ -13,6 +13,11 @@ attention (scaled_dot_product_attention) the 5as/h term (scores, softmax, dropou
 and its output: 2+2+1 bytes per score) is replaced by what the kernel saves: its output
 (2sbh, a copy the projection saves again) and the row log-sum-exp (4 bytes per head and
 token, fp32), i.e. sbh(36 + 4a/h) per layer without parallelism.
+
+``activation_bytes`` is what eager autograd keeps (``compile=False``); ``compiled_kept`` is what
+AOTAutograd's partitioner keeps under torch.compile, the default lowering, which the plan's
+memory uses. The peak is not the sum of everything ever allocated: ``backward_excess`` walks the
+backward op by op, freeing what is no longer read and adding gradients as they arrive.
 """
 from __future__ import annotations
 
@@ -127,7 +132,7 @@ def saved_tensors(node: Node, strategies: dict, size: int):
 
 
 def activation_bytes(nodes, strategies: dict, size: int, recompute=()) -> float:
-    """Bytes kept for backward by ``nodes`` (one microbatch, one rank). ``recompute``: sets of
+    """Bytes eager autograd keeps for backward of ``nodes`` (one microbatch, one rank). ``recompute``: sets of
     nodes recomputed in backward; each keeps only its inputs from outside the set."""
     kept: dict = {}
     in_region = {n for region in recompute for n in region}
@@ -180,3 +185,162 @@ def backward_transient(node: Node, strategies: dict, size: int) -> float:
         return 2 * in_bytes
     val = node.meta["val"]
     return _bytes(local_shape(tuple(val.shape), s.output, size), val.dtype) + in_bytes
+
+
+# ---- what Inductor keeps ----------------------------------------------------------------------
+
+# ops whose backward reads what they keep only elementwise or in row reductions, which Inductor
+# fuses into the gradient kernel; matmuls, attention and embeddings read it in a library kernel,
+# so a tensor kept for one of those must exist in memory (the partitioner bans its recompute)
+FUSED_BACKWARD = {aten.layer_norm.default, aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
+                  aten.cross_entropy_loss.default}
+CASTS = {aten._to_copy.default, aten.to.dtype, aten.type_as.default}
+
+
+def _fused_backward(node: Node) -> bool:
+    t = node.target
+    return t in FUSED_BACKWARD or isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
+
+
+def _recomputable(node: Node) -> bool:
+    """Whether the partitioner may rerun ``node`` in backward: a view, a cast or a pointwise op
+    (not a random one: a dropout that drops is kept as its mask)."""
+    t = node.target
+    return node.op == "call_function" and (t in VIEW_OPS or t in CASTS or t is operator.getitem or (
+        isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
+        and torch.Tag.nondeterministic_seeded not in t.tags))
+
+
+def _graph_input(node: Node):
+    """The graph input that ``node`` is a view or cast of, else None."""
+    while node.op == "call_function" and (base_of(node) is not node or node.target in CASTS):
+        node = node.args[0] if base_of(node) is node else base_of(node)
+    return node if node.op == "placeholder" else None
+
+
+def _input_bytes(node: Node, src: Node, nbytes: float) -> float:
+    """What keeping graph input ``src`` for ``node`` costs: nothing, it is alive anyway, except when
+    ``node`` computes at a narrower dtype and its backward reads the input in a matmul: then the
+    16-bit copy made in the graph is kept (once per microbatch for a data input; for a weight it
+    is the step's working copy, which the planner prices as ``working_copy_ratio``)."""
+    have, want = src.meta["val"].dtype, getattr(node.meta.get("val"), "dtype", None)
+    if src.meta.get("kind") in ("param", "buffer") or _fused_backward(node) or want is None \
+            or not have.is_floating_point or want.itemsize >= have.itemsize:
+        return 0.0
+    return nbytes * want.itemsize / have.itemsize
+
+
+def compiled_activation_bytes(nodes, strategies: dict, size: int, recompute=()) -> float:
+    """Bytes kept for backward by ``nodes`` (one microbatch, one rank) under torch.compile: the sum of ``compiled_kept``."""
+    return float(sum(compiled_kept(nodes, strategies, size, recompute).values()))
+
+
+def compiled_kept(nodes, strategies: dict, size: int, recompute=()) -> dict:
+    """{storage key: bytes} kept for backward by ``nodes`` (one microbatch, one rank) when the step is lowered by
+    torch.compile: what AOTAutograd's min-cut partitioner (``min_cut_rematerialization_partition``,
+    after Inductor's decompositions) saves, against ``activation_bytes``' eager autograd.
+
+    It starts from the eager set (``SAVES``) and applies the partitioner's rules:
+
+    - A graph input costs nothing: parameters, buffers and the batch are alive anyway. A 16-bit
+      copy of one that a matmul's backward reads is kept, though: for a float data input it is
+      counted at the compute dtype; for a weight it is the step's working copy, which the planner
+      prices once per step (``autopar.precision.working_copy_ratio``), so it is left out here.
+    - A tensor some backward reads in a library kernel (matmul, attention, embedding) must exist,
+      so it is saved (the partitioner bans its recompute). One read only by fused backward code
+      (pointwise gradients, LayerNorm's or softmax's) may be recomputed there when it is a view,
+      cast or pointwise op: the cut keeps the smaller of the tensor and those of its inputs not
+      kept already (nothing when all are; a 16-bit tensor rather than its fp32 upcast; a bias
+      add's input rather than its output, at the same bytes).
+    - Cross-entropy keeps its logits at their (16-bit) dtype and, per row, the max and the
+      log-sum-exp in fp32; its softmax gradient is recomputed from them.
+
+    For a GPT (LayerNorm, fused attention, GELU, tied head, cross-entropy) nothing more is
+    dropped: every tensor the eager rules keep is read by a matmul or the attention's backward,
+    or is a residual sum whose summands are not kept. So this is ``activation_bytes`` less the
+    token ids and targets, plus 8 bytes a token for the loss: measured within 0.5% of the
+    partitioner (torch 2.13, CPU, ``tests/cost_model/test_compiled_memory.py``) and within 0.01%
+    on an H200 (torch 2.11, h=2048, s=2048, bf16). LayerNorm statistics stay 8 bytes a row: the
+    CPU decomposition rounds them to the compute dtype, the CUDA one does not.
+    ``recompute``: as for ``activation_bytes``."""
+    in_region = {n for region in recompute for n in region}
+    kept, fused_only, at = {}, {}, {}
+    for n in nodes:
+        if n.op != "call_function" or n in in_region:
+            continue
+        for key, nbytes in saved_tensors(n, strategies, size):
+            src = _graph_input(key[0])
+            nbytes = nbytes if src is None else _input_bytes(n, src, nbytes)
+            if nbytes:
+                kept.setdefault(key, nbytes)
+                fused_only[key] = fused_only.get(key, True) and _fused_backward(n)
+                if key[1] not in ("mask", "stats", "lse"):   # the tensor itself, not a by-product
+                    at.setdefault(key[0], key)
+        if n.target is aten.cross_entropy_loss.default:
+            shp = local_shape(tuple(n.args[0].meta["val"].shape), strategies[n].inputs[0], size)
+            kept[(n, "lse")] = 8.0 * math.prod(shp[:-1])
+    for region in recompute:
+        region = set(region)
+        for n in region:
+            for k, a in enumerate(n.all_input_nodes):
+                if a not in region and a.op == "call_function" and isinstance(a.meta.get("val"), torch.Tensor):
+                    key, nbytes = _kept_storage(a, strategies[n].inputs[k], size)
+                    if _graph_input(key[0]) is None and key not in kept:
+                        kept[key], fused_only[key] = nbytes, False
+                        at.setdefault(key[0], key)
+    recomputed = set()
+    for n in nodes:   # in order, so a tensor recomputed from recomputed ones is a fused chain
+        key = at.get(n)
+        if key is None or not fused_only[key] or not _recomputable(n):
+            continue
+        extra = {}
+        for k, a in enumerate(n.all_input_nodes):
+            b = base_of(a)
+            if not (_graph_input(b) is not None or b in recomputed or at.get(b) in kept):
+                extra.setdefault(*_kept_storage(a, strategies[n].inputs[k], size))
+        if sum(extra.values()) < kept[key]:
+            del kept[key]
+            recomputed.add(n)
+            for k2, nbytes in extra.items():
+                kept.setdefault(k2, nbytes)
+                fused_only.setdefault(k2, False)
+                at.setdefault(k2[0], k2)
+    return kept
+
+
+def backward_excess(nodes, kept: dict, strategies: dict, size: int, grads: dict, grads_held: bool) -> list:
+    """[(node, bytes)]: for each op that allocates in its backward, how far the memory then exceeds
+    the forward's end (all of ``kept`` alive), walking the backward from the last op to the first.
+
+    When op t's backward runs, a kept tensor is still alive if it was produced before t (its
+    consumers' backwards may not have run; one produced at or after t is dead, its last reader
+    done), so alive(t) = kept bytes of producers before t, plus t's own statistics and masks.
+    Parameter gradients (``grads``: parameter node -> bytes) arrive with the backward of their
+    last user; with ``grads_held`` they already exist (earlier microbatches) and are left out.
+    On top, an op that runs a library kernel (matmul, attention: it has FLOPs) holds its output's
+    gradient and writes its inputs' (``backward_transient``) and its weights' at its own dtype;
+    Inductor writes the gradients of memory-bound ops into buffers their dying inputs free, so
+    those add nothing. The excess is alive(t) + new gradients + transient(t) - sum(kept)."""
+    from autopar.cost_model.compute import node_flops
+
+    index = {n: i for i, n in enumerate(nodes)}
+    total = sum(kept.values())
+    produced = sorted((index.get(k[0], -1), k, b) for k, b in kept.items())
+    last_use = {}
+    for p in grads:
+        users = [index[u] for u in p.users if u in index]
+        if users:
+            last_use[p] = max(users)
+    out = []
+    for n in nodes:
+        t = index[n]
+        if n.op != "call_function" or node_flops(n) == (0.0, 0.0):
+            continue
+        alive = sum(b for i, k, b in produced if i < t or (i == t and k[0] is n and k[1] in ("mask", "stats", "lse")))
+        arrived = 0.0 if grads_held else sum(b for p, b in grads.items() if last_use.get(p, -1) >= t)
+        dtype = getattr(n.meta.get("val"), "dtype", None)
+        # a 16-bit weight gradient is a buffer of its own until it is cast into the fp32 gradient
+        weights = (sum(grads[a] * dtype.itemsize / 4 for a in n.all_input_nodes if a in grads)
+                   if dtype is not None and dtype.itemsize < 4 else 0.0)
+        out.append((n, alive + arrived + backward_transient(n, strategies, size) + weights - total))
+    return out

@@ -18,7 +18,7 @@ How it is built
    quantities per node or per stage: an op's FLOPs and bytes moved under its strategy
    (``planner.strategy_work``), the rows of a collective inside it, the bytes of each tp
    collective between ops, the bytes crossing each pipeline cut, each stage's parameter,
-   gradient, optimizer and activation bytes, each op's backward transient. Tensor sizes are
+   gradient, optimizer and activation bytes, each op's backward excess. Tensor sizes are
    products of dims, each dim a product of b, S and constants, and FLOPs are products of sizes,
    so each record is a polynomial. A sample's computation does not depend on the other samples,
    so each record is linear in b; attention makes some quadratic in S. Rather than re-derive
@@ -33,7 +33,7 @@ How it is built
    ``sympy.Max``; a measured matmul curve becomes a ``Piecewise`` in log FLOPs) and
    ``collective_time`` (linear in bytes) take sympy as they take numbers; sums stay sums, and
    where the numeric model takes a max (the slowest pipeline stage, the busiest rank, the
-   largest backward transient, the stage with the most memory) the expression has
+   backward's largest excess, the stage with the most memory) the expression has
    ``sympy.Max``. Finally b = B / (dp * microbatches).
 
 Grid sizes are multiples of tp, so every sharded dim divides evenly there. At sizes where a
@@ -52,7 +52,7 @@ from torch.fx import Node
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .comm import axis_is_inter_node, collective_time
-from .compute import compute_time
+from .compute import attention_kind, compute_time
 from .devices import DeviceSpec, get_device
 
 # Degrees of every record in (b, S); the fit is checked, so a model outside them is reported.
@@ -63,13 +63,14 @@ _DEG_B, _DEG_S = 1, 2
 class CostExpr:
     """Predicted costs of one plan as expressions in the global batch ``B`` and sequence length ``S``.
 
-    ``step_time`` = ``compute`` + ``communication`` (seconds, as ``Plan.predicted_step_time``
-    splits them); ``peak_memory`` (bytes) is the largest of ``stage_memory``, the peak of each
+    ``step_time`` = ``compute`` + ``communication`` + ``update`` (seconds, as
+    ``Plan.predicted_step_time`` splits them; the weight update does not depend on B or S); ``peak_memory`` (bytes) is the largest of ``stage_memory``, the peak of each
     pipeline stage's rank. ``traced`` is the plan's own (B, S)."""
 
     step_time: sympy.Expr
     compute: sympy.Expr
     communication: sympy.Expr
+    update: sympy.Expr
     peak_memory: sympy.Expr
     stage_memory: tuple[sympy.Expr, ...]
     B: sympy.Symbol
@@ -119,7 +120,9 @@ def cost_expr(model: torch.nn.Module, plan, example_inputs=None, *, device: str 
     to_global = {b: B / (mesh.dp * plan.microbatches)}
     compute, comm = compute.subs(to_global), comm.subs(to_global)
     stage_memory = tuple(m.subs(to_global) for m in stage_memory)
-    return CostExpr(compute + comm, compute, comm, _max(stage_memory), stage_memory, B, S,
+    from autopar.api import plan_update_time
+    update = sympy.Float(plan_update_time(plan, dev))
+    return CostExpr(compute + comm + update, compute, comm, update, _max(stage_memory), stage_memory, B, S,
                     (b0 * mesh.dp * plan.microbatches, s0))
 
 
@@ -246,8 +249,8 @@ def _records(cap, plan, mesh, gpus_per_node: int, dev: DeviceSpec | None = None)
     """The numeric model's per-node and per-stage quantities at the capture's current sizes
     ({key: number}), and what does not depend on the sizes (dtypes, collective kinds, stages;
     with ``dev``, the seconds of the data-parallel gradient sync)."""
-    from autopar.cost_model.memory import VIEW_OPS, backward_transient
-    from autopar.memory_plan import memory_breakdown
+    from autopar.cost_model.memory import VIEW_OPS
+    from autopar.memory_plan import stage_terms
     from autopar.planner import enumerate_strategies, strategies_from_plan, strategy_work, tp_collectives
     from autopar.passes.rules import shape
     from autopar.stage_dp import inflight_microbatches
@@ -264,7 +267,7 @@ def _records(cap, plan, mesh, gpus_per_node: int, dev: DeviceSpec | None = None)
         rec[("flops", n.name)], rec[("bytes", n.name)] = flops, nbytes
         if s.comm:
             rec[("rows", n.name)] = shape(n.args[0])[0]
-        structure["ops"][n.name] = (dtype, tuple(kind for kind, _ in s.comm))
+        structure["ops"][n.name] = (dtype, tuple(kind for kind, _ in s.comm), attention_kind(n))
     if mesh.tp > 1:
         for i, (_, kind, _, nbytes, consumer) in enumerate(tp_collectives(cap, strategies, mesh.tp)):
             rec[("tp", i)] = nbytes
@@ -278,16 +281,16 @@ def _records(cap, plan, mesh, gpus_per_node: int, dev: DeviceSpec | None = None)
         stage_nodes = [[n for n in calls if where.get(n.name, len(plan.stages) - 1) == s]
                        for s in range(len(plan.stages))]
         inflight = inflight_microbatches(mesh.pp, plan.microbatches, plan.virtual_stages, plan.schedule)
-    memory = memory_breakdown(cap, strategies, mesh, zero=plan.zero, regions=regions, stage_nodes=stage_nodes,
-                              inflight=inflight)
     structure["stage_nodes"] = []
-    for s, mem in enumerate(memory):
-        for field in ("params", "grads", "optimizer", "activations"):
-            rec[("memory", s, field)] = getattr(mem, field)
-        nodes = stage_nodes[s] if stage_nodes else calls
-        for n in nodes:
-            rec[("transient", n.name)] = backward_transient(n, strategies, mesh.tp)
-        structure["stage_nodes"].append([n.name for n in nodes])
+    for s, nodes in enumerate(stage_nodes or [calls]):
+        params, grads, opt, act, excess = stage_terms(cap, strategies, mesh, nodes, regions, zero=plan.zero,
+                                                      microbatches=plan.microbatches)
+        terms = dict(params=params, grads=grads, optimizer=opt, activations=act * (inflight[s] if inflight else 1))
+        for field, value in terms.items():
+            rec[("memory", s, field)] = value
+        for n, value in excess:
+            rec[("excess", n.name)] = value
+        structure["stage_nodes"].append([n.name for n, _ in excess])
     if dev is not None:
         structure["dp_sync"] = _dp_sync(cap, strategies, plan, mesh, dev, gpus_per_node)
     return rec, structure
@@ -373,8 +376,8 @@ def _step_time(rec: dict, st: dict, plan, mesh, dev: DeviceSpec, gpus_per_node: 
     def op_time(name: str, with_comm: bool) -> sympy.Expr:
         if name not in st["ops"]:   # a view
             return sympy.Integer(0)
-        dtype, kinds = st["ops"][name]
-        t = compute_time(rec[("flops", name)], rec[("bytes", name)], dev, dtype)
+        dtype, kinds, causal = st["ops"][name]
+        t = compute_time(rec[("flops", name)], rec[("bytes", name)], dev, dtype, causal)
         if with_comm:
             t += _sum(collective_time(k, _comm_bytes(k, rec[("rows", name)], tp), tp, dev, tp_inter) for k in kinds)
         return t
@@ -407,10 +410,10 @@ def _step_time(rec: dict, st: dict, plan, mesh, dev: DeviceSpec, gpus_per_node: 
 
 
 def _stage_memory(rec: dict, st: dict) -> list[sympy.Expr]:
-    """Each stage rank's peak bytes in (b, S): static state, activations, the largest transient."""
+    """Each stage rank's peak bytes in (b, S): static state, activations, the backward's largest excess."""
     out = []
     for s, names in enumerate(st["stage_nodes"]):
         fixed = _sum(rec[("memory", s, f)] for f in ("params", "grads", "optimizer", "activations"))
-        transient = _max([rec[("transient", n)] for n in names] or [sympy.Integer(0)])
+        transient = _max([sympy.Integer(0)] + [rec[("excess", n)] for n in names])
         out.append(fixed + transient)
     return out

@@ -112,3 +112,29 @@ def test_init_distributed_from_environment(monkeypatch):
         assert dist.get_backend() == "gloo"
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend, device", [("gloo", "cpu"), ("nccl", "cuda"), ("cpu:gloo,cuda:nccl", "cuda")])
+def test_tensors_live_where_the_backend_talks(monkeypatch, backend, device):
+    """On a GPU host, gloo ranks keep their tensors on the CPU; NCCL ranks on their GPU."""
+    from autopar.mesh import default_device_type
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    assert default_device_type() == device
+
+
+@pytest.mark.parametrize("compile, expected", [
+    (True, dict(mode=None)), ("reduce-overhead", dict(mode="reduce-overhead")),
+    ("max-autotune-no-cudagraphs", dict(mode="max-autotune-no-cudagraphs")), ("aot_eager", dict(backend="aot_eager")),
+])
+def test_compile_takes_inductor_modes_and_backends(monkeypatch, compile, expected):
+    """``compile=`` names an Inductor mode or a torch.compile backend; False leaves the graph eager."""
+    from autopar.parallel_model import lower
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda gm, **kw: seen.append(kw) or gm)
+    gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    assert lower(gm, compile) is gm and seen == [expected]
+    assert lower(gm, False) is gm and len(seen) == 1

@@ -247,3 +247,25 @@ def test_cost_model_prices_the_compute_dtype(plans):
 
     assert total(bf16, "all_gather") < 0.75 * total(fp32, "all_gather")   # gathers move 16-bit tensors
     assert total(bf16, "reduce_scatter") == total(fp32, "reduce_scatter") > 0   # sums move fp32
+
+
+def _weight_casts(rank, world):
+    """Casts of parameters inside the rank's graph, and the eager working copies' dtype, for one and two microbatches."""
+    from autopar.precision import cast
+
+    idx, tgt = example_inputs(TINY, BATCH, SEQ)
+    out = []
+    for m in (1, 2):
+        pm = autopar.parallelize(make_model(), (1, 1, 1), (idx, tgt), precision="bf16", microbatches=m, compile=False)
+        casts = [n for n in pm.graph_module.graph.nodes if n.op == "call_function" and n.target is cast
+                 and n.args[0].op == "placeholder" and n.args[0].meta.get("kind") == "param"]
+        out.append((len(casts), len({n.args[0] for n in casts}), pm._casts.dtype))
+    return out, sum(1 for _ in make_model().parameters())
+
+
+def test_one_microbatch_casts_weights_inside_the_graph():
+    """One microbatch on one stage: every weight enters the graph at fp32 and is cast once there
+    (Inductor fuses the casts); with two microbatches the step's shared working copies do it."""
+    (one, two), n_params = spawn(_weight_casts, 1)[0]
+    assert one == (n_params, n_params, None)
+    assert two == (0, 0, torch.bfloat16)

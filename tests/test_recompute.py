@@ -44,7 +44,11 @@ def test_recompute_parity(results, mesh, mode):
 
 
 def _saved_bytes(rank, world, mode):
-    """Bytes autograd keeps during one forward (eager, by storage), and the model's prediction."""
+    """Bytes autograd keeps during one forward (eager, by storage), and the eager rules' prediction
+    for the plan's graph and recompute regions (the plan itself reports the compiled step's)."""
+    from autopar.api import decide
+    from autopar.cost_model.memory import activation_bytes
+
     idx, tgt = example_inputs(EXPLICIT, BATCH, SEQ)
     pm = autopar.parallelize(make_model(EXPLICIT), (1, 1, world), (idx, tgt), plan="megatron",
                              sequence_parallel=False, recompute=mode, compile=False)
@@ -58,7 +62,11 @@ def _saved_bytes(rank, world, mode):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = pm(idx, tgt)
     loss.backward()
-    return sum(v for k, v in kept.items() if k not in params), sum(m.activations for m in pm.plan.memory)
+    cap, strategies, _ = decide(make_model(EXPLICIT), (1, 1, world), (idx, tgt), plan=pm.plan)
+    by_name = {n.name: n for n in cap.gm.graph.nodes}
+    regions = [[by_name[n] for n in r] for r in pm.plan.recompute_regions]
+    calls = [n for n in cap.gm.graph.nodes if n.op == "call_function"]
+    return sum(v for k, v in kept.items() if k not in params), activation_bytes(calls, strategies, world, regions)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import autopar
-from autopar.cost_model import DEVICES, DeviceSpec, collective_time, compute_time, get_device
+from autopar.cost_model import DEVICES, DeviceSpec, collective_time, compute_time, get_device, node_flops
 from autopar.cost_model.calibrate import fit_alpha_beta, measure_collectives
 from autopar.cost_model.comm import collective_bytes_on_wire
 from autopar.cost_model.compute import matmul_rate
-from autopar.cost_model.devices import CollectiveFit, MatmulSample
+from autopar.cost_model.devices import AttentionSample, CollectiveFit, MatmulSample
 from autopar.examples.gpt import build, example_inputs
 from autopar.launch import spawn
 
@@ -104,6 +104,48 @@ def test_matmul_curve_drives_matmul_time():
     assert compute_time(1e3, 8, floor, torch.bfloat16) == 5e-6
 
 
+def test_attention_table_prices_fused_attention_only():
+    """A profile's attention rate prices the sdpa nodes and nothing else; without it they are matmuls."""
+    from autopar.cost_model.compute import attention_kind
+    from autopar.planner import _strategy_time
+    from autopar.api import decide
+
+    model = build("tiny", device="meta", n_layer=2, block_size=64)
+    inputs = example_inputs(model.config, 4, 64, device="meta")
+    cap, strategies, _ = decide(model, (1, 1, 1), inputs, device="cpu")
+    sdpa = [n for n in strategies if attention_kind(n) is not None]
+    assert sdpa and all(attention_kind(n) for n in sdpa)   # the GPT's attention is causal
+    base = DEVICES["cpu"]
+    slow = dataclasses.replace(base, attention_table=(AttentionSample("fp32", 4, 4, 64, 16, 1, 1e6),))
+    fwd, bwd = node_flops(sdpa[0])
+    assert _strategy_time(sdpa[0], strategies[sdpa[0]], 1, slow, False) == pytest.approx((fwd + bwd) / 1e6)
+    assert _strategy_time(sdpa[0], strategies[sdpa[0]], 1, base, False) < (fwd + bwd) / 1e8
+    others = [n for n in strategies if n.op == "call_function" and attention_kind(n) is None]
+    assert [_strategy_time(n, strategies[n], 1, slow, False) for n in others] == \
+           [_strategy_time(n, strategies[n], 1, base, False) for n in others]
+    # non-causal samples do not price causal attention
+    acausal = dataclasses.replace(base, attention_table=(AttentionSample("fp32", 4, 4, 64, 16, 0, 1e6),))
+    assert _strategy_time(sdpa[0], strategies[sdpa[0]], 1, acausal, False) == \
+           _strategy_time(sdpa[0], strategies[sdpa[0]], 1, base, False)
+
+
+def test_update_time_is_adamw_and_the_working_copy():
+    """The plan's update term: 7 fp32 bytes moved per parameter byte at the optimizer bandwidth,
+    1/dp of them under ZeRO-1, plus 3 per byte of casts at the fused bandwidth with 16-bit compute."""
+    model = build("tiny", device="meta", n_layer=2, block_size=64)
+    inputs = example_inputs(model.config, 8, 64, device="meta")
+    dev = dataclasses.replace(DEVICES["cpu"], optimizer_bandwidth=1e9, fused_bandwidth=2e9)
+    param_bytes = 4.0 * sum(p.numel() for p in model.parameters())
+    fp32 = autopar.plan(model, (1, 1, 1), inputs, device=dev)
+    assert fp32.predicted_update_s == pytest.approx(7 * param_bytes / 1e9)
+    bf16 = autopar.plan(model, (1, 1, 1), inputs, device=dev, precision="bf16")
+    assert bf16.predicted_update_s == pytest.approx(7 * param_bytes / 1e9 + 3 * param_bytes / 2e9)
+    zero = autopar.plan(model, (2, 1, 1), inputs, device=dev, zero=1)
+    assert zero.predicted_update_s == pytest.approx(7 * param_bytes / 2 / 1e9)
+    assert fp32.predicted_step_time == pytest.approx(
+        fp32.predicted_compute_s + fp32.predicted_comm_s + fp32.predicted_update_s)
+
+
 def test_collective_fits_drive_collective_time():
     fit = CollectiveFit("intra", "all_gather", 7e-6, 1e11)
     dev = dataclasses.replace(DEVICES["h100"], collective_fits=(fit,))
@@ -157,11 +199,14 @@ def test_collectives_are_measured_and_fitted_per_axis():
     (lambda d: d["collective_fits"][0].update(tier="rack"), ["collective_fits", "tier", "intra"]),
     (lambda d: d["collective_fits"].append(dict(d["collective_fits"][0])), ["collective_fits", "second fit"]),
     (lambda d: d.update(calibration=[1, 2]), ["calibration", "object"]),
+    (lambda d: d["attention_table"][0].update(causal=2), ["attention_table", "causal must be 0 or 1"]),
+    (lambda d: d.update(fused_bandwidth=-1.0), ["fused_bandwidth", ">= 0"]),
 ])
 def test_malformed_profile_is_refused_naming_the_field(change, words):
     spec = dataclasses.replace(
         DEVICES["cpu"], launch_overhead=3e-6,
         matmul_table=(MatmulSample("fp32", 64, 64, 64, 1e9), MatmulSample("fp32", 256, 256, 256, 2e10)),
+        attention_table=(AttentionSample("fp32", 2, 4, 128, 32, 1, 5e10),),
         collective_fits=(CollectiveFit("intra", "all_reduce", 5e-5, 1e9),))
     data = spec.to_dict()
     assert DeviceSpec.from_json(json.dumps(data)) == spec

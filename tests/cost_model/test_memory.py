@@ -51,3 +51,28 @@ def test_fused_attention_replaces_the_score_term():
     s, b, h, a = 2048, 4, 6144, 64
     got = _per_layer(s, b, h, a, 1, False, False, attention="sdpa")
     assert got == pytest.approx(36 + 4 * a / h, rel=0.01)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_peak_walks_the_backward(precision):
+    """The peak counts gradients only when they outlive a backward (several microbatches), and the
+    backward's excess lies between nothing and the sum of every gradient and the largest transient."""
+    from autopar.cost_model.memory import backward_transient
+    from autopar.examples.gpt import example_inputs
+
+    model = build("tiny", device="meta", n_layer=2, block_size=64)
+    param_bytes = 4.0 * sum(p.numel() for p in model.parameters())
+    mems = {}
+    for m in (1, 2):
+        cap, strategies, plan = decide(model, (1, 1, 1), example_inputs(model.config, 8, 64, device="meta"),
+                                       device="cpu", precision=precision, microbatches=m)
+        mem = plan.memory[0]
+        assert mem.peak == pytest.approx(mem.params + mem.grads + mem.optimizer + mem.activations + mem.transient)
+        largest = max(backward_transient(n, strategies, 1) for n in strategies if n.op == "call_function")
+        assert 0 <= mem.transient <= param_bytes + 2 * largest
+        mems[m] = mem, largest
+    (one, largest), (two, _) = mems[1], mems[2]
+    assert one.grads == 0 and two.grads == pytest.approx(param_bytes)
+    # one microbatch's gradients arrive while its activations are freed, and the loss's gradient
+    # buffers come after the logits die: less than holding every gradient and the largest transient
+    assert one.peak < one.params + param_bytes + one.optimizer + one.activations + largest
