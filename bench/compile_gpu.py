@@ -459,6 +459,13 @@ def main(argv=None) -> int:
                          f"{r['breakdown']['kernels_s'] * 1e3:.1f}", f"{r['breakdown']['wall_s'] * 1e3:.1f}"]
                         for r in broken]))
 
+        for r in broken:
+            gaps = r["breakdown"]["gaps"]
+            print(f"\n{r['config']} {r['contender']}: GPU idle between kernels {gaps['idle_s'] * 1e3:.2f} ms per step; "
+                  "longest gaps:")
+            for seconds, before, after in gaps["longest"]:
+                print(f"  {seconds * 1e6:8.1f} us  after {before}  before {after}")
+
     if not args.no_predict:
         predictions(cases, measured, mixed, dtype, profile, report)
 

@@ -222,7 +222,22 @@ def kernel_breakdown(step: Callable[[], object], steps: int = 3) -> dict:
         families[family] += t / 1e6 / steps
         kernels[e.key] = kernels.get(e.key, 0.0) + t / 1e6 / steps
     return dict(families=families, kernels_s=sum(families.values()), wall_s=wall,
-                top=sorted(kernels.items(), key=lambda kv: -kv[1])[:15])
+                top=sorted(kernels.items(), key=lambda kv: -kv[1])[:15], gaps=_idle_gaps(prof, steps))
+
+
+def _idle_gaps(prof, steps: int, most: int = 8) -> dict:
+    """Where the GPU sat idle between kernels: the idle seconds per call, and the longest gaps
+    with the kernels on either side (from the profiler's device timeline)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start)
+    gaps, reach, last = [], None, None
+    for start, end, name in spans:
+        if reach is not None and start > reach:
+            gaps.append(((start - reach) / 1e6, last, name))
+        if reach is None or end > reach:
+            reach, last = end, name
+    gaps.sort(key=lambda g: -g[0])
+    return dict(idle_s=sum(g[0] for g in gaps) / steps, longest=[(s, a[:80], b[:80]) for s, a, b in gaps[:most]])
 
 
 # The reference GPT whose memory-bound kernels calibrate ``fused_bandwidth`` (no benchmark config)
