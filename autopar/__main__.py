@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="1 shards the optimizer state over dp (default 0)")
     p.add_argument("--plan", default="auto", choices=["auto", "megatron"],
                    help="auto: the planner decides; megatron: the hand-written plan (default auto)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="compute dtype; bf16 and fp16 keep fp32 master weights (default fp32)")
     p.add_argument("--out", metavar="PLAN.json", help="also write the plan as JSON to this file")
     p.add_argument("--html", metavar="PLAN.html", help="also write the self-contained HTML plan view")
     c = sub.add_parser("compare", help="the automatic plan, plan=megatron and the hand-written baseline, "
@@ -175,7 +177,7 @@ def _plan(args) -> int:
         plan = autopar.plan(model, args.mesh, inputs, device=args.device, plan=args.plan,
                             sequence_parallel=_SP[args.sequence_parallel], zero=args.zero,
                             world_size=args.gpus, gpus_per_node=args.gpus_per_node, schedule=args.schedule,
-                            microbatches=args.microbatches)
+                            microbatches=args.microbatches, precision=args.precision)
     print(plan.summary())
     if args.out:
         plan.to_json(args.out)

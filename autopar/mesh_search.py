@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.cost_model import get_device
+from autopar.cost_model.compute import update_time
 from autopar.mesh import Mesh
 from autopar.passes.capture import capture_pass
 from autopar.pipeline import dp_sync_time, layer_units, state_bytes_per_param_byte, unit_costs
@@ -83,7 +84,8 @@ def _evaluate(mesh: Mesh, m: int, costs, dev, budget, schedule: str, zero: int, 
             return MeshOption(mesh, m, float("inf"), peak, False)
         step, peak = cut.step_time, max(cut.rank_memory)
         param_bytes = max(static[a:b].sum() for a, b in cut.bounds) / state
-    step += dp_sync_time(param_bytes, mesh, dev, zero, gpus_per_node)
+    step += dp_sync_time(param_bytes, mesh, dev, zero, gpus_per_node) + update_time(
+        param_bytes, dev, working_copy=working_copy > 0, optimizer_shards=mesh.dp if zero else 1)
     return MeshOption(mesh, m, step, peak, peak <= budget)
 
 

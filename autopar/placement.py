@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -86,5 +88,6 @@ def shard_tensor(x, placement: Placement, parts: int, rank: int):
         return x.detach().clone()
     d, k = placement.dim, placement.interleave
     if k == 1:
-        return take_shard(x, d, parts, rank).contiguous().clone()
-    return take_shard(x.unflatten(d, (k, -1)), d + 1, parts, rank).flatten(d, d + 1).contiguous().clone()
+        return take_shard(x, d, parts, rank).clone(memory_format=torch.contiguous_format)
+    return take_shard(x.unflatten(d, (k, -1)), d + 1, parts, rank).flatten(d, d + 1).clone(
+        memory_format=torch.contiguous_format)

@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import math
 import operator
+from itertools import accumulate
 
 import torch
 from torch.fx import Node
 
 from autopar.placement import local_shape
+
+from .compute import node_flops
 
 aten = torch.ops.aten
 
@@ -321,23 +324,28 @@ def backward_excess(nodes, kept: dict, strategies: dict, size: int, grads: dict,
     gradient and writes its inputs' (``backward_transient``) and its weights' at its own dtype;
     Inductor writes the gradients of memory-bound ops into buffers their dying inputs free, so
     those add nothing. The excess is alive(t) + new gradients + transient(t) - sum(kept)."""
-    from autopar.cost_model.compute import node_flops
-
     index = {n: i for i, n in enumerate(nodes)}
     total = sum(kept.values())
-    produced = sorted((index.get(k[0], -1), k, b) for k, b in kept.items())
-    last_use = {}
-    for p in grads:
-        users = [index[u] for u in p.users if u in index]
-        if users:
-            last_use[p] = max(users)
+    before = [0.0] * (len(nodes) + 1)   # before[t]: kept bytes produced before op t (graph inputs: -1)
+    own: dict = {}                      # an op's statistics and masks, alive during its own backward
+    for k, b in kept.items():
+        before[index.get(k[0], -1) + 1] += b
+        if k[1] in ("mask", "stats", "lse"):
+            own[k[0]] = own.get(k[0], 0.0) + b
+    before = list(accumulate(before))
+    after = [0.0] * (len(nodes) + 1)    # after[t]: gradients whose last user is op t or later
+    if not grads_held:
+        for p, b in grads.items():
+            users = [index[u] for u in p.users if u in index]
+            if users:
+                after[max(users)] += b
+        after = list(accumulate(after[::-1]))[::-1]
     out = []
     for n in nodes:
         t = index[n]
         if n.op != "call_function" or node_flops(n) == (0.0, 0.0):
             continue
-        alive = sum(b for i, k, b in produced if i < t or (i == t and k[0] is n and k[1] in ("mask", "stats", "lse")))
-        arrived = 0.0 if grads_held else sum(b for p, b in grads.items() if last_use.get(p, -1) >= t)
+        alive, arrived = before[t] + own.get(n, 0.0), after[t]
         dtype = getattr(n.meta.get("val"), "dtype", None)
         # a 16-bit weight gradient is a buffer of its own until it is cast into the fp32 gradient
         weights = (sum(grads[a] * dtype.itemsize / 4 for a in n.all_input_nodes if a in grads)

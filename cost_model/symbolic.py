@@ -281,7 +281,7 @@ def _records(cap, plan, mesh, gpus_per_node: int, dev: DeviceSpec | None = None)
         stage_nodes = [[n for n in calls if where.get(n.name, len(plan.stages) - 1) == s]
                        for s in range(len(plan.stages))]
         inflight = inflight_microbatches(mesh.pp, plan.microbatches, plan.virtual_stages, plan.schedule)
-    structure["stage_nodes"] = []
+    structure["excess_nodes"] = []
     for s, nodes in enumerate(stage_nodes or [calls]):
         params, grads, opt, act, excess = stage_terms(cap, strategies, mesh, nodes, regions, zero=plan.zero,
                                                       microbatches=plan.microbatches)
@@ -290,7 +290,7 @@ def _records(cap, plan, mesh, gpus_per_node: int, dev: DeviceSpec | None = None)
             rec[("memory", s, field)] = value
         for n, value in excess:
             rec[("excess", n.name)] = value
-        structure["stage_nodes"].append([n.name for n, _ in excess])
+        structure["excess_nodes"].append([n.name for n, _ in excess])
     if dev is not None:
         structure["dp_sync"] = _dp_sync(cap, strategies, plan, mesh, dev, gpus_per_node)
     return rec, structure
@@ -412,7 +412,7 @@ def _step_time(rec: dict, st: dict, plan, mesh, dev: DeviceSpec, gpus_per_node: 
 def _stage_memory(rec: dict, st: dict) -> list[sympy.Expr]:
     """Each stage rank's peak bytes in (b, S): static state, activations, the backward's largest excess."""
     out = []
-    for s, names in enumerate(st["stage_nodes"]):
+    for s, names in enumerate(st["excess_nodes"]):
         fixed = _sum(rec[("memory", s, f)] for f in ("params", "grads", "optimizer", "activations"))
         transient = _max([sympy.Integer(0)] + [rec[("excess", n)] for n in names])
         out.append(fixed + transient)

@@ -220,11 +220,7 @@ def _linear_ce_op(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: 
     _check(hidden, weight, labels, impl)
     _check_reduction(reduction)
     lse, picked = _stats(hidden, weight, labels, 0, weight.shape[0], chunk, impl)
-    valid = labels != ignore_index
-    loss = torch.where(valid, lse - picked, 0.0).sum()
-    if reduction == 1:
-        loss = loss / valid.sum()
-    return loss.to(hidden.dtype), lse
+    return _loss(lse, picked, labels, ignore_index, reduction).to(hidden.dtype), lse
 
 
 @_linear_ce_op.register_fake
@@ -285,10 +281,14 @@ def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: 
     lse_local, picked = _stats_op(hidden, weight, labels, start, vocab, chunk, impl)
     lse = torch.logsumexp(all_gather(lse_local.unsqueeze(0), 0, group, size, rank, size, False), dim=0)
     picked = all_reduce(picked, group)
+    return _loss(lse, picked, labels, ignore_index, reduction).to(hidden.dtype)
+
+
+def _loss(lse: Tensor, picked: Tensor, labels: Tensor, ignore_index: int, reduction: int) -> Tensor:
+    """Cross-entropy from each row's log-sum-exp and target logit; ``reduction`` as aten encodes it
+    (0 none, 1 mean over the rows not ignored, 2 sum)."""
     valid = labels != ignore_index
     loss = torch.where(valid, lse - picked, 0.0)
     if reduction == 1:
-        loss = loss.sum() / valid.sum()
-    elif reduction == 2:
-        loss = loss.sum()
-    return loss.to(hidden.dtype)
+        return loss.sum() / valid.sum()
+    return loss.sum() if reduction == 2 else loss

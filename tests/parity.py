@@ -22,17 +22,21 @@ def reference(cfg: GPTConfig = TINY, steps: int = 0, lr: float = 1e-3, batch: in
     loss = model(idx, tgt)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    curve = []
-    if steps:
-        model = make_model(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        for _ in range(steps):
-            opt.zero_grad()
-            l = model(idx, tgt)
-            l.backward()
-            opt.step()
-            curve.append(l.item())
+    curve = train_curve(make_model(cfg), idx, tgt, steps, lr) if steps else []
     return loss.item(), grads, curve
+
+
+def train_curve(model, idx, tgt, steps: int, lr: float) -> list[float]:
+    """The losses of ``steps`` AdamW steps of the unsharded ``model`` on one batch."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    curve = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        curve.append(loss.item())
+    return curve
 
 
 def parallel_run(rank, world, mesh, knobs, cfg=TINY, steps=0, lr=1e-3, batch=BATCH):

@@ -16,7 +16,7 @@ from autopar.checkpoint import (CheckpointMismatchError, _flat_boxes, _global_pi
 from autopar.examples.gpt import GPT, example_inputs
 from autopar.launch import spawn
 from autopar.placement import R, Shard, shard_tensor
-from parity import BATCH, SEQ, TINY, make_model
+from parity import BATCH, SEQ, TINY, make_model, train_curve
 
 LR = 1e-3
 ZERO_TP = ((2, 1, 2), dict(plan="megatron", sequence_parallel=True, zero=1))
@@ -100,17 +100,7 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ref_curve():
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    idx, tgt = example_inputs(TINY, BATCH, SEQ)
-    curve = []
-    for _ in range(sum(STEPS)):
-        opt.zero_grad()
-        loss = model(idx, tgt)
-        loss.backward()
-        opt.step()
-        curve.append(loss.item())
-    return curve
+    return train_curve(make_model(), *example_inputs(TINY, BATCH, SEQ), sum(STEPS), LR)
 
 
 def _loss_of(state):

@@ -30,6 +30,17 @@ def test_plan_gpt2_prints_placements_and_step_time(tmp_path):
     assert plan.mesh == (1, 1, 4) and plan.predicted_step_time > 0
 
 
+def test_plan_takes_the_precision(tmp_path):
+    out = tmp_path / "plan.json"
+    r = _autopar("plan", "gpt2", "--mesh", "1,1,2", "--batch", "8", "--seq", "128", "--precision", "bf16",
+                 "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "precision bf16 compute" in r.stdout
+
+    from autopar import Plan
+    assert Plan.from_json(out).precision == "bf16"
+
+
 @pytest.mark.parametrize("mesh, words", [
     ("1,1,5", ["tp=5", "12 attention heads", "valid tp", "1, 2, 3, 4, 6, 12"]),
     ("1,16,1", ["cannot be split into at least pp=16 microbatches", "multiple of 16"]),

@@ -14,6 +14,7 @@ from autopar.fp8 import (E4M3, E5M2, Fp8Linear, fp8_backend, fp8_linear, fp8_lin
 from autopar.examples.demo import make_batch
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.launch import spawn
+from parity import train_curve
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
 
@@ -111,16 +112,7 @@ def test_swap_linears_keeps_the_head_and_the_tie():
 
 
 def _curve(model, steps=30, lr=3e-3):
-    idx, tgt = make_batch(CFG.vocab_size, 8, CFG.block_size)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    out = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = model(idx, tgt)
-        loss.backward()
-        opt.step()
-        out.append(loss.item())
-    return out
+    return train_curve(model, *make_batch(CFG.vocab_size, 8, CFG.block_size), steps, lr)
 
 
 @needs_scaled_mm
