@@ -7,6 +7,7 @@
 from autopar.api import parallelize, plan
 from autopar.determinism import set_deterministic
 from autopar.flops_report import FlopsReport, flops_report, report_table
+from autopar.master_weights import MasterAdamW
 from autopar.mesh import Mesh
 from autopar.parallel_model import ParallelModel
 from autopar.placement import Partial, Replicate, Shard
@@ -14,5 +15,5 @@ from autopar.plan import Plan, PlanFormatError
 from autopar.planner import PlanError
 
 __all__ = ["parallelize", "plan", "Mesh", "Plan", "ParallelModel", "PlanError", "PlanFormatError",
-           "Shard", "Replicate", "Partial", "set_deterministic",
+           "Shard", "Replicate", "Partial", "set_deterministic", "MasterAdamW",
            "flops_report", "FlopsReport", "report_table"]

@@ -323,7 +323,7 @@ def _default_device() -> str:
 
 def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto", recompute="none",
                 memory_budget=None, schedule="1F1B", microbatches=None, zero=0, compile=True,
-                device=None, stages=None, virtual_stages=None, precision="fp32"):
+                device=None, stages=None, virtual_stages=None, precision="fp32", loss_kernel="auto"):
     """Plan ``model`` for ``mesh`` and build this rank's parallel program.
 
     Call it on every rank of an initialised process group (``torchrun``, or
@@ -339,10 +339,15 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
     ``virtual_stages``: stages per pipeline rank (interleaved schedules; default 2 there).
     ``precision``: "fp32"; "bf16" (bf16 compute on fp32 master weights, every gradient and
     partial-sum reduction in fp32, fp32 loss); "fp16" (the same at fp16, with dynamic loss
-    scaling). A given plan runs at its own precision (``autopar.precision``)."""
+    scaling). A given plan runs at its own precision (``autopar.precision``).
+    ``loss_kernel``: route a cross-entropy over 2-D logits (tp = 1) through autopar's one-read
+    kernel (``autopar.kernels.cross_entropy``); "auto" does where it pays, when compiling with
+    Inductor on CUDA with Triton; True always (its torch reference off CUDA); False never."""
     from autopar.launch import init_distributed
     from autopar.parallel_model import ParallelModel
 
+    if loss_kernel not in (True, False, "auto"):
+        raise ValueError(f"loss_kernel={loss_kernel!r}: expected True, False or 'auto'")
     if not dist.is_initialized():
         init_distributed()
     world = dist.get_world_size()
@@ -369,4 +374,4 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
     mesh_ = Mesh(*the_plan.mesh)
     cap, strategies, the_plan = decide(model, mesh_, example_inputs, plan=the_plan, **knobs)
     dmesh = device_mesh(mesh_, default_device_type())
-    return ParallelModel(model, cap, strategies, the_plan, mesh_, dmesh, compile=compile)
+    return ParallelModel(model, cap, strategies, the_plan, mesh_, dmesh, compile=compile, loss_kernel=loss_kernel)

@@ -13,7 +13,10 @@ from autopar.passes.recompute import recompute_pass
 from autopar.passes.shard import shard_pass
 from autopar.passes.rules import is_float
 from autopar.placement import Shard, local_shape, parse_placement, shard_tensor
-from autopar.precision import LossScaler, WorkingCopies, precision_pass
+from autopar.kernels.fused_linear_ce import triton_available
+from autopar.master_weights import MasterAdamW, WorkingWeights
+from autopar.passes.fuse_loss import cross_entropy_kernel_pass
+from autopar.precision import LossScaler, WorkingCopies, compute_dtype, precision_pass
 
 
 class ParallelModel:
@@ -25,11 +28,13 @@ class ParallelModel:
 
     With ``plan.precision`` "bf16" or "fp16" the graph computes at 16 bits, on one working copy
     of the weights per step, while parameters, gradients and optimizer state stay fp32 and
-    every gradient sum runs in fp32 (``autopar.precision``). fp16 scales the loss
+    every gradient sum runs in fp32 (``autopar.precision``). With bf16, ``optimizer(MasterAdamW)``
+    keeps the fp32 weights in the optimizer and persistent bf16 copies in the graph, fusing the
+    casts into the update (``autopar.master_weights``). fp16 scales the loss
     (``loss_scaler``); a step whose gradients overflow on any rank leaves every rank's
     gradients None, so the optimizer skips it, and sets ``step_skipped``."""
 
-    def __init__(self, model, cap, strategies, plan, mesh, dmesh, *, compile=True):
+    def __init__(self, model, cap, strategies, plan, mesh, dmesh, *, compile=True, loss_kernel="auto"):
         self.plan = plan
         self.mesh = mesh
         self.coords = mesh.coords(dist.get_rank())
@@ -38,6 +43,10 @@ class ParallelModel:
         gm = cap.gm
         if mesh.tp > 1:
             gm = shard_pass(gm, strategies, size=mesh.tp, rank=self.coords["tp"], group=self._tp_group)
+        if loss_kernel is True or (loss_kernel == "auto" and _inductor_on_cuda(compile)):
+            if gm is cap.gm:   # the captured graph is shared with the planner: rewrite a copy
+                gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+            gm = cross_entropy_kernel_pass(gm)
         # One microbatch on one stage: the 16-bit weight copies are cast inside the compiled graph,
         # where Inductor fuses them into its own kernels, instead of ~2 eager kernels per weight per
         # step. With several microbatches the copies are made once per step and shared (``WorkingCopies``).
@@ -67,6 +76,7 @@ class ParallelModel:
         # the buffers the module's own state_dict holds: checkpoints and exports carry exactly these
         self._persistent_buffers = [fqn for fqn in model.state_dict(keep_vars=True) if fqn in self._buffers]
         self._casts = WorkingCopies("fp32" if in_graph else plan.precision)
+        self._master = None   # WorkingWeights, once optimizer(MasterAdamW) is asked for
         self.loss_scaler = LossScaler() if plan.precision == "fp16" else None
         self.step_skipped = False
         self._pipeline = None
@@ -95,10 +105,32 @@ class ParallelModel:
         return iter(self._params.values())
 
     def optimizer(self, cls=torch.optim.AdamW, **kwargs):
-        """An optimizer over the local shards; with zero=1 its state is also sharded over dp."""
+        """An optimizer over the local shards; with zero=1 its state is also sharded over dp.
+        ``cls=autopar.MasterAdamW`` (bf16) also makes the graph compute on persistent bf16 copies
+        that the optimizer writes (``autopar.master_weights``)."""
+        if cls is MasterAdamW:
+            return MasterAdamW(self.parameters(), self._working_weights(), **kwargs)
         if self._zero is not None:
             return self._zero.make_optimizer(cls, **kwargs)
         return cls(self.parameters(), **kwargs)
+
+    def _working_weights(self) -> WorkingWeights:
+        why = [what for what, bad in (
+            (f"precision={self.plan.precision!r} (it needs 'bf16')", self.plan.precision != "bf16"),
+            (f"pp={self.mesh.pp}", self.mesh.pp > 1),
+            (f"{self.plan.microbatches} microbatches (their gradients would add up in bf16)", self.plan.microbatches > 1),
+            ("zero=1", self._zero is not None)) if bad]
+        if why:
+            raise ValueError(f"MasterAdamW needs one bf16 forward and backward per step on one stage; this plan has "
+                             f"{', '.join(why)}: use pm.optimizer(torch.optim.AdamW, ...)")
+        if self._master is None:
+            summed = {n.meta.get("fqn") for n in self.graph_module.graph.nodes if n.op == "placeholder"
+                      and n.meta.get("kind") == "param" and any(u.target in C.COLLECTIVE_FUNCTIONS for u in n.users)}
+            self._master = WorkingWeights(self._params, compute_dtype(self.plan.precision), summed)
+            if self._cuda_graphs:
+                for t in self._master.copies.values():
+                    torch._dynamo.mark_static_address(t)
+        return self._master
 
     # ---- the step ------------------------------------------------------------------------
 
@@ -113,8 +145,11 @@ class ParallelModel:
             raise NotImplementedError("with pp > 1 the schedule runs forward and backward together; "
                                       "use train_step")
         args, it = [], iter(inputs)
+        if self._master is not None:
+            self._master.refresh()
+        params = self._master.copies if self._master is not None else self._params
         for kind, fqn in self._slots:
-            args.append(self._casts(fqn, self._params[fqn]) if kind == "param"
+            args.append(self._casts(fqn, params[fqn]) if kind == "param"
                         else self._casts(fqn, self._buffers[fqn]) if kind == "buffer" else next(it))
         out = self._fn(*args)
         return out[0] if isinstance(out, (tuple, list)) else out
@@ -127,6 +162,10 @@ class ParallelModel:
         the full batch's mean loss when every microbatch has the same token count)."""
         m = self.plan.microbatches
         inputs = [self._dp_slice(x) for x in inputs]
+        if self._master is not None and (self._master.reduced is not None or self._master.grads()):
+            raise RuntimeError("MasterAdamW's gradients do not add up across train_step calls (they would "
+                               "in bf16): call opt.zero_grad() before each train_step, or use microbatches "
+                               "with torch.optim.AdamW to accumulate")
         if self._cuda_graphs:   # the last step's graph outputs are consumed: their memory may be reused
             torch.compiler.cudagraph_mark_step_begin()
         with self._casts.step():
@@ -138,6 +177,8 @@ class ParallelModel:
             total = C.all_reduce(total, self._dp_group) / self.mesh.dp
             if self._zero is not None:
                 self._zero.reduce_scatter_grads()
+            elif self._master is not None:
+                self._master.use_reduced(_all_reduce_mean_fp32(self._master.grads(), self._dp_group, self.mesh.dp))
             else:
                 _all_reduce_mean([p.grad for p in self.parameters() if p.grad is not None], self._dp_group, self.mesh.dp)
         if self.loss_scaler is not None:
@@ -183,11 +224,22 @@ class ParallelModel:
             return self._zero.clip_grad_norm_(max_norm)
         sq = torch.zeros(2)
         for fqn, p in self._params.items():
-            if p.grad is not None and self._owns(fqn):
-                sq[0 if self._sharded(fqn) else 1] += p.grad.detach().float().pow(2).sum().cpu()
+            grad = self._grad(p)
+            if grad is not None and self._owns(fqn):
+                sq[0 if self._sharded(fqn) else 1] += grad.detach().float().pow(2).sum().cpu()
         norm = self._norm(sq)
-        _scale([p.grad for p in self.parameters() if p.grad is not None], max_norm, norm)
+        if self._master is not None:   # the update multiplies the gradients: no pass that rewrites them
+            self._master.grad_scale *= min(1.0, _clip_coef(max_norm, norm))
+        else:
+            _scale([p.grad for p in self.parameters() if p.grad is not None], max_norm, norm)
         return norm
+
+    def _grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """``p``'s gradient: ``p.grad``, or with MasterAdamW its working copy's (times the clip scale)."""
+        if self._master is None:
+            return p.grad
+        grad = self._master.grad_of(p)
+        return grad if grad is None or self._master.grad_scale == 1.0 else grad.float() * self._master.grad_scale
 
     def _norm(self, sq: torch.Tensor) -> torch.Tensor:
         """sqrt(sum over tp of sharded squares + replicated squares); sq = [sharded, replicated]."""
@@ -214,10 +266,10 @@ class ParallelModel:
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every parameter's gradient (after ``train_step``) gathered to its full shape, on CPU,
         under the same names as ``full_state_dict``: what to compare with an unsharded model."""
-        if any(p.grad is None for p in self._params.values() if p.requires_grad):
+        if any(self._grad(p) is None for p in self._params.values() if p.requires_grad):
             raise RuntimeError("full_grads() needs gradients: run train_step first (with zero=1 the "
                                "gradients live in the optimizer's flat shard)")
-        return self._gathered(lambda p: p.grad)
+        return self._gathered(lambda p: self._grad(p).float())
 
     def _gathered(self, tensor_of) -> dict[str, torch.Tensor]:
         out = {}
@@ -252,6 +304,12 @@ def lower(gm: torch.fx.GraphModule, compile):
     return torch.compile(gm, backend=compile)
 
 
+def _inductor_on_cuda(compile) -> bool:
+    """Whether ``compile`` lowers through Inductor onto CUDA with Triton (where autopar's kernels pay)."""
+    return ((compile is True or compile in MODES) and default_device_type() == "cuda"
+            and triton_available())
+
+
 def _comm_device():
     return torch.device("cuda", torch.cuda.current_device()) if default_device_type() == "cuda" else torch.device("cpu")
 
@@ -265,8 +323,20 @@ def _all_reduce_mean(tensors, group: str, size: int):
         t.copy_(piece.view_as(t))
 
 
+def _all_reduce_mean_fp32(grads: dict[str, torch.Tensor], group: str, size: int) -> dict[str, torch.Tensor]:
+    """The dp mean of 16-bit gradients, summed in fp32, as fp32 views of one flat buffer."""
+    flat = torch.empty(sum(g.numel() for g in grads.values()), dtype=torch.float32, device=_comm_device())
+    torch.cat([g.reshape(-1) for g in grads.values()], out=flat)
+    flat = C.all_reduce(flat, group) / size
+    return {f: piece.view_as(g) for (f, g), piece in zip(grads.items(), flat.split([g.numel() for g in grads.values()]))}
+
+
+def _clip_coef(max_norm, norm) -> float:
+    return max_norm / (float(norm) + 1e-6)
+
+
 def _scale(tensors, max_norm, norm):
-    coef = max_norm / (float(norm) + 1e-6)
+    coef = _clip_coef(max_norm, norm)
     if coef < 1:
         for t in tensors:
             t.mul_(coef)

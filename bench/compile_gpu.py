@@ -2,7 +2,7 @@
 
     python bench/compile_gpu.py [--configs h2048,gpt2-xl,h1024] [--contenders plain,autopar]
         [--steps 20] [--batch B] [--device PROFILE.json] [--no-matmul] [--no-predict] [--no-breakdown]
-        [--cpu-smoke] [--predict-from RESULTS.json]
+        [--cpu-smoke] [--predict-from RESULTS.json] [--inductor KEY=VALUE,...] [--save-code]
 
 For each GPT config (h2048: h=2048, 8 layers, 16 heads, seq 2048, vocab 50304; gpt2-xl: h=1600,
 48 layers, 25 heads, seq 1024; h1024: h=1024, 24 layers, 16 heads, seq 1024) it trains the same
@@ -12,7 +12,15 @@ model two ways in one process and reports tokens/s, MFU, peak memory and compile
 - autopar: ``autopar.parallelize(model, mesh=(1, 1, 1), ...)`` with ``compile=True``, the same
   optimizer over ``pm.parameters()``, stepping with ``pm.train_step``;
 - plain-cudagraphs / autopar-cudagraphs (only when asked for with ``--contenders``): the same in
-  torch.compile's "reduce-overhead" mode, which replays CUDA graphs.
+  torch.compile's "reduce-overhead" mode, which replays CUDA graphs;
+- plain-autotune / autopar-autotune (also on request): mode "max-autotune-no-cudagraphs", which
+  benchmarks Triton matmul templates against cuBLAS and tunes the generated kernels' launch configs;
+- autopar-master: autopar with ``pm.optimizer(autopar.MasterAdamW)``: the graph computes on
+  persistent bf16 weight copies and one fused kernel per tensor updates the fp32 master and its
+  copy (``autopar.master_weights``).
+
+``--inductor KEY=VALUE,...`` sets ``torch._inductor.config`` options for every contender alike;
+``--save-code`` writes the code Inductor generated for each contender to ``$OUT/code/``.
 
 Precision: when ``autopar.parallelize`` takes ``precision=`` (fp32 master weights, bf16 compute)
 autopar runs ``precision="bf16"`` and the plain model runs its fp32 weights under
@@ -181,7 +189,10 @@ CASES = {
 SMOKE = Case("smoke", 512, 64, 2, 4, 64, 4)
 # contender -> (who, torch.compile mode): "-cudagraphs" replays CUDA graphs (mode "reduce-overhead")
 CONTENDERS = {"plain": ("plain", None), "autopar": ("autopar", None),
-              "plain-cudagraphs": ("plain", "reduce-overhead"), "autopar-cudagraphs": ("autopar", "reduce-overhead")}
+              "plain-cudagraphs": ("plain", "reduce-overhead"), "autopar-cudagraphs": ("autopar", "reduce-overhead"),
+              "plain-autotune": ("plain", "max-autotune-no-cudagraphs"),
+              "autopar-autotune": ("autopar", "max-autotune-no-cudagraphs"),
+              "autopar-master": ("autopar-master", None)}
 
 
 def has_precision_knob() -> bool:
@@ -220,14 +231,14 @@ def run_plain(case: Case, device, mixed: bool, dtype, steps: int, breakdown: boo
         return loss.detach()
 
     result = timed_steps(step, steps, device, breakdown=breakdown)
-    result.pop("codes")
     result.update(setup_s=0.0)
     return result
 
 
 def run_autopar(case: Case, device, mixed: bool, dtype, steps: int, profile: str, breakdown: bool = False,
-                mode=None) -> dict:
-    """autopar.parallelize on mesh (1, 1, 1), compiled with Inductor, the same optimizer."""
+                mode=None, master: bool = False) -> dict:
+    """autopar.parallelize on mesh (1, 1, 1), compiled with Inductor, the same optimizer (or with
+    ``master`` autopar.MasterAdamW)."""
     import autopar
     free_memory()
     model, idx, tgt = _build(case, device, mixed, dtype)
@@ -239,7 +250,8 @@ def run_autopar(case: Case, device, mixed: bool, dtype, steps: int, profile: str
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
     gc.collect()
-    opt = pm.optimizer(torch.optim.AdamW, lr=1e-4, fused=True)
+    opt = (pm.optimizer(autopar.MasterAdamW, lr=1e-4) if master
+           else pm.optimizer(torch.optim.AdamW, lr=1e-4, fused=True))
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -248,7 +260,6 @@ def run_autopar(case: Case, device, mixed: bool, dtype, steps: int, profile: str
         return loss.detach()
 
     result = timed_steps(step, steps, device, breakdown=breakdown)
-    result.pop("codes")
     graph_collectives = sum(1 for n in pm.graph_module.graph.nodes
                             if n.op == "call_function" and "c10d" in str(n.target))
     result.update(setup_s=setup_s, graph_collectives=graph_collectives,
@@ -301,6 +312,25 @@ def _row(case: Case, name: str, r: dict) -> list:
     return [case.name, name, f"{case.batch} x {case.seq}", f"{tok:,.0f}", f"{case.flops / r['step_s'] / PEAK_BF16:.1%}",
             _fmt(r["peak_bytes"] if r["peak_bytes"] == r["peak_bytes"] else None, GiB, ".2f"), f"{r['compile_s']:.1f}", f"{r['setup_s']:.1f}", f"{r['step_s'] * 1e3:.1f}",
             f"{r['kernels']['generated']} / {r['kernels']['extern']}"]
+
+
+def set_inductor_options(spec: str) -> dict:
+    """Set ``torch._inductor.config`` from "key=value,..." (values as Python literals); returns them."""
+    import ast
+    import torch._inductor.config as cfg
+    options = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        obj, *path = key.strip().split(".")
+        target = cfg if not path else getattr(cfg, obj)
+        name = path[-1] if path else obj
+        for part in path[:-1]:
+            target = getattr(target, part)
+        if not hasattr(target, name):
+            raise SystemExit(f"--inductor: torch._inductor.config has no option {key!r}")
+        options[key.strip()] = ast.literal_eval(value.strip())
+        setattr(target, name, options[key.strip()])
+    return options
 
 
 def predictions(cases, measured: dict, mixed: bool, dtype, profile: str, report: dict) -> None:
@@ -366,6 +396,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-matmul", action="store_true")
     ap.add_argument("--no-predict", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny config on CPU/gloo, 3 steps")
+    ap.add_argument("--inductor", default="", metavar="KEY=VALUE,...",
+                    help="torch._inductor.config options for every contender (values read as Python literals)")
+    ap.add_argument("--save-code", action="store_true", help="write Inductor's generated code to $OUT/code/")
     ap.add_argument("--predict-from", metavar="RESULTS.json",
                     help="run nothing: put the current cost model's predictions beside a saved GPU run's results")
     args = ap.parse_args(argv)
@@ -390,6 +423,7 @@ def main(argv=None) -> int:
     if args.batch:
         cases = [replace(c, batch=args.batch) for c in cases]
     dtype = torch.bfloat16
+    inductor = set_inductor_options(args.inductor)
     single_process_group()
     mixed = has_precision_knob()
     started = time.perf_counter()
@@ -398,7 +432,7 @@ def main(argv=None) -> int:
           f"{'autopar precision=bf16 vs plain autocast(bf16), fp32 master weights' if mixed else 'model cast to bf16'}",
           flush=True)
     report: dict = dict(torch=torch.__version__, device=name, mixed_precision=mixed, peak_flops=PEAK_BF16,
-                        steps=steps, runs=[], predictions=[])
+                        steps=steps, inductor=inductor, runs=[], predictions=[])
 
     if not args.no_matmul:
         n = 8192 if device.type == "cuda" else 256
@@ -418,7 +452,13 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             bd = not args.no_breakdown
             r = (run_plain(case, device, mixed, dtype, steps, bd, mode) if kind == "plain"
-                 else run_autopar(case, device, mixed, dtype, steps, profile, bd, mode))
+                 else run_autopar(case, device, mixed, dtype, steps, profile, bd, mode, kind == "autopar-master"))
+            codes = r.pop("codes")
+            if args.save_code:
+                os.makedirs(os.path.join(out_dir(), "code"), exist_ok=True)
+                for i, code in enumerate(codes):
+                    with open(os.path.join(out_dir(), "code", f"{case.name}-{who}-{i}.py"), "w") as fh:
+                        fh.write(code)
             r.update(config=case.name, contender=who, batch=case.batch, seq=case.seq,
                      tokens_per_s=case.batch * case.seq / r["step_s"], mfu=case.flops / r["step_s"] / PEAK_BF16,
                      wall_s=time.perf_counter() - t0)
@@ -427,7 +467,8 @@ def main(argv=None) -> int:
             rows.append(_row(case, who, r))
             print(f"  {case.name} {who}: {r['step_s'] * 1e3:.1f} ms/step, MFU {r['mfu']:.1%}, "
                   f"{r['wall_s']:.0f} s in all", flush=True)
-        for base, other in (("plain", "autopar"), ("plain-cudagraphs", "autopar-cudagraphs"), ("plain", "autopar-cudagraphs")):
+        for base, other in (("plain", "autopar"), ("plain-cudagraphs", "autopar-cudagraphs"), ("plain", "autopar-cudagraphs"),
+                            ("plain", "autopar-master"), ("plain-autotune", "autopar-autotune")):
             if base in results and other in results:
                 key = f"{case.name}: {other} / {base} speed"
                 report.setdefault("speedup", {})[key] = results[base]["step_s"] / results[other]["step_s"]
@@ -440,7 +481,7 @@ def main(argv=None) -> int:
         print(f"\n{c} = {s:.3f}x")
     print("\n## What autopar's (1,1,1) path runs\n")
     for r in report["runs"]:
-        if r["contender"] != "autopar":
+        if "graph_collectives" not in r:
             continue
         plain = next((p for p in report["runs"] if p["config"] == r["config"] and p["contender"] == "plain"), None)
         k = r["kernels"]

@@ -1,4 +1,6 @@
-"""Fuse the head linear and its cross-entropy into the chunked op of autopar.kernels.fused_linear_ce.
+"""Loss rewrites: the head linear and its cross-entropy fused into the chunked op of
+autopar.kernels.fused_linear_ce (``fuse_loss_pass``), or the cross-entropy alone routed through
+the one-read kernel of autopar.kernels.cross_entropy (``cross_entropy_kernel_pass``).
 
     from autopar.passes.fuse_loss import fuse_loss_pass
     gm = fuse_loss_pass(cap.gm)                       # a captured graph (capture_pass), tp = 1
@@ -29,6 +31,7 @@ from torch.fx import GraphModule, Node
 
 from autopar import collectives as C
 from autopar import ops
+from autopar.kernels.cross_entropy import cross_entropy
 from autopar.kernels.fused_linear_ce import vocab_parallel_linear_cross_entropy
 from autopar.placement import padded_size
 
@@ -37,6 +40,7 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _CE_ARGS = ("self", "target", "weight", "reduction", "ignore_index", "label_smoothing")
 _CE_DEFAULTS = {"weight": None, "reduction": 1, "ignore_index": -100, "label_smoothing": 0.0}
 _VP_SIGNATURE = inspect.signature(ops.vocab_parallel_cross_entropy)
+_REDUCTION_NAMES = {0: "none", 1: "mean", 2: "sum"}
 
 
 def fuse_loss_pass(gm: GraphModule, plan=None, *, chunk: int = 0) -> GraphModule:
@@ -54,6 +58,35 @@ def fuse_loss_pass(gm: GraphModule, plan=None, *, chunk: int = 0) -> GraphModule
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def cross_entropy_kernel_pass(gm: GraphModule, plan=None) -> GraphModule:
+    """Replace aten.cross_entropy_loss over 2-D logits with autopar.kernels.cross_entropy.
+
+    Only plain losses are rewritten (no class weights or label smoothing); the logits reach the
+    kernel in their own dtype, which reads them once and computes in fp32. The graph is rewritten
+    in place and returned; ``plan`` is accepted for the pass driver's uniform signature."""
+    for ce in list(gm.graph.nodes):
+        if ce.op != "call_function" or ce.target is not aten.cross_entropy_loss.default:
+            continue
+        args = dict(_CE_DEFAULTS, **dict(zip(_CE_ARGS, ce.args)), **ce.kwargs)
+        if (args["weight"] is not None or args["label_smoothing"] != 0.0 or args["reduction"] not in _REDUCTION_NAMES
+                or not _two_dim(args["self"])):
+            continue
+        with gm.graph.inserting_before(ce):
+            loss = gm.graph.call_function(cross_entropy, (args["self"], args["target"], args["ignore_index"],
+                                                          _REDUCTION_NAMES[args["reduction"]]))
+        _replace(gm, ce, loss, [])
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _two_dim(logits: Node) -> bool:
+    val = logits.meta.get("val")
+    if val is not None:
+        return val.dim() == 2
+    return logits.target in _VIEWS and len(logits.args[1]) == 2
 
 
 def _fuse_captured(gm: GraphModule, ce: Node, chunk: int) -> None:
