@@ -84,8 +84,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-import scipy.sparse as sp
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 __all__ = ["Solution", "InfeasibleError", "SolverError", "solve_strategies", "brute_force",
            "evaluate"]
@@ -316,6 +314,8 @@ class _Model:
             r += sb.size
         self.ncols = col
         self.neq = r
+        # scipy is imported where an ILP is built: ranks that are handed a plan never build one
+        import scipy.sparse as sp
         cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0)  # noqa: E731
         self.A_eq = sp.csr_array((cat(vals), (cat(rows).astype(np.int64), cat(cols).astype(np.int64))),
                                  shape=(r, col))
@@ -327,6 +327,8 @@ class _Model:
         self.integrality[:self.nx] = 1
 
     def solve(self, objective, mem_rhs, time_limit, mip_rel_gap):
+        import scipy.sparse as sp
+        from scipy.optimize import Bounds, LinearConstraint, milp
         cons = [LinearConstraint(self.A_eq, self.b_eq, self.b_eq)]
         if mem_rhs is not None:
             scale = float(np.max(np.abs(self.xmem))) if self.xmem.size else 0.0

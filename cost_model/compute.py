@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 import warnings
 from typing import Any
 
-import sympy
 import torch
 import torch.fx
 from torch.fx.node import map_arg
@@ -246,7 +246,8 @@ def compute_time(flops, nbytes, dev: DeviceSpec, dtype: torch.dtype | str | None
         terms.append(flops / (curve_rate(flops, curve) if curve else matmul_rate(flops, dev, dtype)))
     if dev.launch_overhead > 0:
         terms.append(dev.launch_overhead)
-    if any(isinstance(t, sympy.Basic) for t in terms):
+    if any(_symbolic(t) for t in terms):
+        import sympy
         return sympy.Max(*terms)
     return float(max(terms))
 
@@ -286,7 +287,8 @@ def curve_rate(flops, curve: tuple[tuple[float, ...], tuple[float, ...]]):
     for i in range(len(xs) - 1):
         slope = (ys[i + 1] - ys[i]) / (math.log(xs[i + 1]) - math.log(xs[i]))
         pieces.append((lambda x, i=i, slope=slope: ys[i] + slope * (_log(x) - math.log(xs[i])), xs[i + 1]))
-    if isinstance(flops, sympy.Basic):
+    if _symbolic(flops):
+        import sympy
         return sympy.Piecewise(*[(f(flops), flops <= bound) for f, bound in pieces], (ys[-1], True))
     for f, bound in pieces:
         if flops <= bound:
@@ -295,9 +297,16 @@ def curve_rate(flops, curve: tuple[tuple[float, ...], tuple[float, ...]]):
 
 
 def _log(x):
-    return sympy.log(x) if isinstance(x, sympy.Basic) else math.log(x)
+    return sys.modules["sympy"].log(x) if _symbolic(x) else math.log(x)
 
 
 def _is_zero(x) -> bool:
     # A sympy polynomial is zero only when it is the zero expression; numbers keep the old `<= 0`.
-    return x == 0 if isinstance(x, sympy.Basic) else x <= 0
+    return x == 0 if _symbolic(x) else x <= 0
+
+
+def _symbolic(x) -> bool:
+    """Whether ``x`` is a sympy expression. Only ``cost_model.symbolic`` builds them, after importing
+    sympy; this module does not import it, which would cost every spawned rank 0.4 s."""
+    sympy = sys.modules.get("sympy")
+    return sympy is not None and isinstance(x, sympy.Basic)
