@@ -79,10 +79,12 @@ def guard(exit_code=1):
     at once, so that its peers are not left waiting for it in a collective.
 
     On an uncaught exception (or `sys.exit` with a non-zero status) it prints the traceback tagged with
-    the rank, records it in torchrun's error file (the "Root Cause" of torchrun's report), waits two
-    seconds so that torchrun sees which rank failed first, tears the process group down (an NCCL group
-    is aborted rather than waited on) and exits with `exit_code` (a `sys.exit` keeps its own status)
-    without running exit handlers that could block.
+    the rank, waits two seconds, records it in torchrun's error file (the "Root Cause" of torchrun's
+    report is the earliest record), tears the process group down (an NCCL group is aborted rather than
+    waited on) and exits with `exit_code` (a `sys.exit` keeps its own status) without running exit
+    handlers that could block. The wait comes before the record so that a rank failing only because
+    a peer died (killed, with no record of its own) is not taken for the root cause: torchrun sees
+    the peer's exit within the wait.
 
         with autopar.launch.guard():
             init_distributed()
@@ -106,8 +108,8 @@ def _fail(exc, exit_code):
     text = "".join(traceback.format_exception(exc))
     print(f"autopar: rank {rank} failed; stopping it so that its peers do not wait for it\n"
           f"[rank {rank}] {text}", file=sys.stderr, end="", flush=True)
-    ErrorHandler().record_exception(exc)
     time.sleep(_LINGER_S)   # the peers stay connected meanwhile, so they do not fail before the agent looks
+    ErrorHandler().record_exception(exc)
     _teardown()
     sys.stdout.flush()
     sys.stderr.flush()
