@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 
 import torch
@@ -178,9 +179,13 @@ class ParallelModel:
             if self._zero is not None:
                 self._zero.reduce_scatter_grads()
             elif self._master is not None:
-                self._master.use_reduced(_all_reduce_mean_fp32(self._master.grads(), self._dp_group, self.mesh.dp))
+                grads = self._master.grads()
+                self._master.use_reduced(dict(zip(grads, _all_reduce_mean(list(grads.values()), self._dp_group,
+                                                                           self.mesh.dp))))
             else:
-                _all_reduce_mean([p.grad for p in self.parameters() if p.grad is not None], self._dp_group, self.mesh.dp)
+                grads = [p.grad for p in self.parameters() if p.grad is not None]
+                for g, mean in zip(grads, _all_reduce_mean(grads, self._dp_group, self.mesh.dp)):
+                    g.copy_(mean)
         if self.loss_scaler is not None:
             self._unscale_grads()
         return total
@@ -314,21 +319,16 @@ def _comm_device():
     return torch.device("cuda", torch.cuda.current_device()) if default_device_type() == "cuda" else torch.device("cpu")
 
 
-def _all_reduce_mean(tensors, group: str, size: int):
-    """Average tensors over a group in one flat all-reduce (one launch, not one per tensor)."""
+def _all_reduce_mean(tensors, group: str, size: int) -> list[torch.Tensor]:
+    """The mean of ``tensors`` over a group, as views of one flat buffer: one all-reduce, not
+    one per tensor, and 16-bit tensors are summed in fp32 (at least)."""
     if not tensors:
-        return
-    flat = C.all_reduce(torch.cat([t.reshape(-1) for t in tensors]), group) / size
-    for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.copy_(piece.view_as(t))
-
-
-def _all_reduce_mean_fp32(grads: dict[str, torch.Tensor], group: str, size: int) -> dict[str, torch.Tensor]:
-    """The dp mean of 16-bit gradients, summed in fp32, as fp32 views of one flat buffer."""
-    flat = torch.empty(sum(g.numel() for g in grads.values()), dtype=torch.float32, device=_comm_device())
-    torch.cat([g.reshape(-1) for g in grads.values()], out=flat)
+        return []
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors), torch.float32)
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=_comm_device())
+    torch.cat([t.reshape(-1) for t in tensors], out=flat)
     flat = C.all_reduce(flat, group) / size
-    return {f: piece.view_as(g) for (f, g), piece in zip(grads.items(), flat.split([g.numel() for g in grads.values()]))}
+    return [piece.view_as(t) for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]))]
 
 
 def _clip_coef(max_norm, norm) -> float:

@@ -320,16 +320,15 @@ def set_inductor_options(spec: str) -> dict:
     import torch._inductor.config as cfg
     options = {}
     for item in filter(None, spec.split(",")):
-        key, _, value = item.partition("=")
-        obj, *path = key.strip().split(".")
-        target = cfg if not path else getattr(cfg, obj)
-        name = path[-1] if path else obj
-        for part in path[:-1]:
-            target = getattr(target, part)
+        key, _, value = (part.strip() for part in item.partition("="))
+        *parents, name = key.split(".")
+        target = cfg
+        for part in parents:
+            target = getattr(target, part, None)
         if not hasattr(target, name):
             raise SystemExit(f"--inductor: torch._inductor.config has no option {key!r}")
-        options[key.strip()] = ast.literal_eval(value.strip())
-        setattr(target, name, options[key.strip()])
+        options[key] = ast.literal_eval(value)
+        setattr(target, name, options[key])
     return options
 
 

@@ -37,15 +37,13 @@ import functools
 import torch
 from torch import Tensor
 
-from autopar.kernels.fused_linear_ce import triton_available
+from autopar.kernels.fused_linear_ce import triton_available, use_triton
 
 __all__ = ["adamw_master_", "triton_available"]
 
 _IMPLS = ("auto", "torch", "triton")
 _WORKING_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_NO_TRITON = ("adamw_master_: impl='triton' needs CUDA tensors and the triton package; "
-              "use impl='torch' (or 'auto') on this device")
 
 # The update is memory bound: 14 bytes read and 14 written per element with 16-bit gradients,
 # against about 15 flops. 1024 elements over 8 warps is 4 per thread: one 16-byte access per
@@ -158,27 +156,15 @@ def adamw_master_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     ``grad`` is multiplied by ``grad_scale`` first; ``exp_avg`` and ``exp_avg_sq`` are the fp32
     moments (zeros before the first step) and ``step`` the number of this update, from 1. The
     maths and its order are torch.optim.AdamW's (see the module docstring); ``working`` receives
-    the new ``param`` rounded to its dtype. This is the reference implementation, used on every
-    device but CUDA (and on CUDA with ``impl="torch"``)."""
-    _check(param, grad, exp_avg, exp_avg_sq, working, step, impl)
-    if impl == "triton":
-        raise ValueError(_NO_TRITON)
-    _adamw_torch_(param, grad, exp_avg, exp_avg_sq, working, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
-
-
-@adamw_master_.register_kernel("cuda")
-def _(param, grad, exp_avg, exp_avg_sq, working, step, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0,
-      impl="auto"):
+    the new ``param`` rounded to its dtype. ``impl`` picks the reference or the Triton kernel."""
     _check(param, grad, exp_avg, exp_avg_sq, working, step, impl)
     args = (param, grad, exp_avg, exp_avg_sq, working, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
-    if impl == "torch" or (impl == "auto" and not triton_available()):
-        _adamw_torch_(*args)
-    elif not triton_available():
-        raise ValueError(_NO_TRITON)
-    else:
+    if use_triton("adamw_master_", impl, param.device):
         # Triton launches on the current device, which need not be the tensors'
         with torch.cuda.device(param.device):
             _adamw_triton_(*args)
+    else:
+        _adamw_torch_(*args)
 
 
 @adamw_master_.register_fake

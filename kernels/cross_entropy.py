@@ -27,7 +27,7 @@ import functools
 import torch
 from torch import Tensor
 
-from autopar.kernels.fused_linear_ce import triton_available
+from autopar.kernels.fused_linear_ce import triton_available, use_triton
 
 __all__ = ["cross_entropy", "cross_entropy_rows"]
 
@@ -100,23 +100,12 @@ def _rows_triton(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Ten
 
 @torch.library.custom_op("autopar::cross_entropy_rows", mutates_args=())
 def cross_entropy_rows(logits: Tensor, target: Tensor, ignore_index: int, impl: str = "auto") -> tuple[Tensor, Tensor]:
-    """Each row's cross-entropy (0 where the target is ``ignore_index``) and log-sum-exp, fp32.
-    This is the reference implementation, used on every device but CUDA."""
+    """Each row's cross-entropy (0 where the target is ``ignore_index``) and log-sum-exp, fp32;
+    ``impl`` picks the reference or the Triton kernel."""
     _check(logits, target, impl)
-    if impl == "triton":
-        raise ValueError("cross_entropy_rows: impl='triton' needs CUDA tensors and the triton package; "
-                         "use impl='torch' (or 'auto') on this device")
+    if use_triton("cross_entropy_rows", impl, logits.device):
+        return _rows_triton(logits, target, ignore_index)
     return _rows_torch(logits, target, ignore_index)
-
-
-@cross_entropy_rows.register_kernel("cuda")
-def _(logits, target, ignore_index, impl="auto"):
-    _check(logits, target, impl)
-    if impl == "torch" or (impl == "auto" and not triton_available()):
-        return _rows_torch(logits, target, ignore_index)
-    if not triton_available():
-        raise ValueError("cross_entropy_rows: impl='triton' needs the triton package")
-    return _rows_triton(logits, target, ignore_index)
 
 
 @cross_entropy_rows.register_fake

@@ -74,10 +74,13 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _use_triton(impl: str, device: torch.device) -> bool:
+def use_triton(op: str, impl: str, device: torch.device) -> bool:
+    """Whether kernel ``op`` runs its Triton path for ``impl`` ("torch", "triton" or "auto") on
+    ``device``: "triton" insists (CUDA tensors and the triton package, else ValueError), "auto"
+    takes it on CUDA when triton is installed. Every autopar kernel chooses this way."""
     if impl == "triton":
         if device.type != "cuda" or not triton_available():
-            raise ValueError("linear_cross_entropy: impl='triton' needs CUDA tensors and the triton package; "
+            raise ValueError(f"{op}: impl='triton' needs CUDA tensors and the triton package; "
                              "use impl='torch' (or 'auto') on this device")
         return True
     return impl == "auto" and device.type == "cuda" and triton_available()
@@ -119,7 +122,7 @@ def _grad_torch_(logits: Tensor, labels: Tensor, lse: Tensor, row_scale: Tensor,
 
 
 def _row_ops(impl: str, device: torch.device):
-    if _use_triton(impl, device):
+    if use_triton("linear_cross_entropy", impl, device):
         from autopar.kernels import linear_ce_triton
         return linear_ce_triton.row_stats_, linear_ce_triton.row_grad_
     return _stats_torch_, _grad_torch_
