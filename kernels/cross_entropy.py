@@ -29,7 +29,7 @@ from torch import Tensor
 
 from autopar.kernels.fused_linear_ce import triton_available, use_triton
 
-__all__ = ["cross_entropy", "cross_entropy_rows"]
+__all__ = ["cross_entropy", "cross_entropy_rows", "triton_available"]
 
 _IMPLS = ("auto", "torch", "triton")
 _REDUCTIONS = ("mean", "sum", "none")
