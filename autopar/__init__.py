@@ -6,12 +6,12 @@
 """
 from autopar.api import parallelize, plan
 from autopar.determinism import set_deterministic
-from autopar.flops_report import FlopsReport, flops_report, report_table
+from autopar.flops import FlopsReport, flops_report, report_table
 from autopar.master_weights import MasterAdamW
 from autopar.mesh import Mesh
 from autopar.parallel_model import ParallelModel
 from autopar.placement import Partial, Replicate, Shard
-from autopar.plan import Plan, PlanFormatError
+from autopar.plans import Plan, PlanFormatError
 from autopar.planner import PlanError
 
 __all__ = ["parallelize", "plan", "Mesh", "Plan", "ParallelModel", "PlanError", "PlanFormatError",

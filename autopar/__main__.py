@@ -150,7 +150,7 @@ def _inputs(args, model):
 def _flops(args) -> int:
     from rich.console import Console
 
-    from autopar.flops_report import flops_report, report_table
+    from autopar.flops import flops_report, report_table
 
     t0 = time.perf_counter()
     with Console(stderr=True).status(f"capturing {args.config} on the meta device and planning mesh {args.mesh} ..."):
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
         if args.command == "calibrate":
             return _calibrate(args)
         if args.command == "diff":
-            from autopar.plan import Plan
+            from autopar.plans import Plan
             text = Plan.from_json(args.a).diff(Plan.from_json(args.b))
             print(text)
             return 0 if text == "no differences" else 1

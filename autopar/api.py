@@ -13,7 +13,7 @@ from autopar.cost_model import get_device
 from autopar.megatron import megatron_options
 from autopar.mesh import Mesh, default_device_type, device_mesh
 from autopar.passes.capture import Captured, capture_pass
-from autopar.plan import Plan
+from autopar.plans import Plan
 from autopar.planner import (Assignment, PlanError, build_plan, check_tp, enumerate_strategies, solve,
                              strategies_from_plan, with_regather)
 from autopar.placement import Shard
@@ -248,7 +248,7 @@ def _over(make_plan, budget: float) -> bool:
 
 
 def _regions_from_plan(cap, plan: Plan) -> list:
-    from autopar.plan import PlanFormatError
+    from autopar.plans import PlanFormatError
 
     by_name = {n.name: n for n in cap.gm.graph.nodes}
     for i, region in enumerate(plan.recompute_regions):
@@ -288,7 +288,7 @@ def _with_stages(result: Plan, cap, strategies, mesh, dev, *, schedule, virtual,
                  memory_budget, stages) -> Plan:
     """The plan with its pipeline stages cut by the cost model (or as ``stages`` says)."""
     from autopar.pipeline import choose_cut, dp_sync_time, layer_units, state_bytes_per_param_byte, unit_costs
-    from autopar.plan import StagePlan
+    from autopar.plans import StagePlan
 
     units = layer_units(cap)
     costs = unit_costs(cap, strategies, units, mesh, dev, zero=zero, gpus_per_node=gpus_per_node)

@@ -16,7 +16,7 @@ import numpy as np
 from autopar.cost_model.memory import attention_core, backward_excess, compiled_kept
 from autopar.ilp import InfeasibleError, solve_strategies
 from autopar.placement import local_shape
-from autopar.plan import MemoryPlan
+from autopar.plans import MemoryPlan
 from autopar.planner import PlanError, _strategy_time, find_blocks
 from autopar.precision import working_copy_ratio
 

@@ -302,7 +302,7 @@ def build_plan(cap: Captured, assignment: Assignment, mesh, dev, *, sequence_par
                zero: int, microbatches: int, source: str, gpus_per_node: int = 8):
     """Turn the chosen strategies into a ``Plan`` with placements, collectives and predicted times."""
     from autopar.cost_model import axis_is_inter_node
-    from autopar.plan import CollectivePlan, NodePlan, ParamPlan, Plan
+    from autopar.plans import CollectivePlan, NodePlan, ParamPlan, Plan
     from autopar.placement import local_shape
 
     strategies = assignment.strategies
@@ -345,7 +345,7 @@ def build_plan(cap: Captured, assignment: Assignment, mesh, dev, *, sequence_par
 
 def strategies_from_plan(cap: Captured, options: dict[Node, list[Strategy]], plan) -> dict[Node, Strategy]:
     """The strategy per node a (possibly hand-edited) plan asks for, checked against the model."""
-    from autopar.plan import PlanFormatError
+    from autopar.plans import PlanFormatError
     from autopar.placement import parse_placement
 
     by_name = {n.name: n for n in cap.gm.graph.nodes}

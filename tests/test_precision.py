@@ -12,7 +12,7 @@ import torch
 import autopar
 from autopar.examples.gpt import example_inputs
 from autopar.launch import spawn
-from autopar.plan import Plan, PlanFormatError
+from autopar.plans import Plan, PlanFormatError
 from autopar.precision import LossScaler
 from parity import BATCH, SEQ, TINY, make_model, reference
 

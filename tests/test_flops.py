@@ -17,7 +17,7 @@ import autopar
 from autopar.api import decide
 from autopar.cost_model import DEVICES
 from autopar.examples.gpt import GPT, GPTConfig, build, example_inputs
-from autopar.flops_report import FlopsReport, flops_report, mfu, report_for, report_table
+from autopar.flops import FlopsReport, flops_report, mfu, report_for, report_table
 
 CFG = GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_embd=32)
 BATCH, SEQ = 8, 16
