@@ -11,6 +11,7 @@ are printed as one line on stderr, and the exit status is 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -56,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: the planner decides; megatron: the hand-written plan (default auto)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="compute dtype; bf16 and fp16 keep fp32 master weights (default fp32)")
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                   help="recompute regions per block, trading forward time for activation memory (default none)")
     p.add_argument("--out", metavar="PLAN.json", help="also write the plan as JSON to this file")
     p.add_argument("--html", metavar="PLAN.html", help="also write the self-contained HTML plan view")
     c = sub.add_parser("compare", help="the automatic plan, plan=megatron and the hand-written baseline, "
@@ -68,10 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sequence-parallel", default="on", choices=["on", "off"])
     d = sub.add_parser("diff", help="what differs between two plan files (exit 1 if anything does)",
                        description="Compare two plan JSON files: placements, node strategies, collectives, "
-                                   "stages, memory and predicted time. Exit status 0 when they decide the "
-                                   "same things, 1 when they differ (as diff(1)).")
+                                   "stages, memory and predicted time. With the model (--model, or the one "
+                                   "`plan` recorded in A), both plans are first re-derived from their choices, "
+                                   "so a hand edit shows its real shapes, collectives and times. Exit status 0 "
+                                   "when they decide the same things, 1 when they differ (as diff(1)).")
     d.add_argument("a", metavar="A.json")
     d.add_argument("b", metavar="B.json")
+    d.add_argument("--model", metavar="CONFIG_OR_MODULE",
+                   help="re-derive both plans for this model (a config or path/to/file.py:factory, as for plan) "
+                        "before comparing (default: the model A records)")
+    d.add_argument("--device", help="cost model device to re-derive with (default: each plan's own)")
+    d.add_argument("--as-written", action="store_true",
+                   help="compare the numbers the files record, without re-deriving them")
     k = sub.add_parser("calibrate", help="measure this machine (matmuls, memory, launches, collectives) into a "
                                          "device profile for --device",
                        description="Measure matmul throughput per shape and dtype, memory bandwidth, kernel launch "
@@ -109,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model(spec: str):
-    """A named config built on the meta device, or ``path.py:factory`` called on the meta device."""
+    """A named config built on the meta device, or ``path.py:factory`` called on the meta device
+    (what it builds on a real device anyway is moved there: planning needs no weights)."""
     import importlib.util
 
     import torch
@@ -129,7 +141,26 @@ def _model(spec: str):
     if not callable(getattr(module, factory, None)):
         raise ValueError(f"{path} has no function {factory!r}")
     with torch.device("meta"):
-        return getattr(module, factory)()
+        model = getattr(module, factory)()
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"{spec} returned a {type(model).__name__}, not a torch.nn.Module")
+    return _on_meta(model)
+
+
+def _on_meta(model):
+    """``model`` with its parameters and buffers on the meta device, weights tied as before
+    (``model.to("meta")`` would give each use of a tied weight its own copy)."""
+    import torch
+
+    moved = {}
+    for module in model.modules():
+        for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if not t.is_meta:
+                if id(t) not in moved:
+                    meta = t.detach().to("meta")
+                    moved[id(t)] = torch.nn.Parameter(meta, t.requires_grad) if isinstance(t, torch.nn.Parameter) else meta
+                setattr(module, name, moved[id(t)])
+    return model
 
 
 def _inputs(args, model):
@@ -177,8 +208,11 @@ def _plan(args) -> int:
         plan = autopar.plan(model, args.mesh, inputs, device=args.device, plan=args.plan,
                             sequence_parallel=_SP[args.sequence_parallel], zero=args.zero,
                             world_size=args.gpus, gpus_per_node=args.gpus_per_node, schedule=args.schedule,
-                            microbatches=args.microbatches, precision=args.precision)
+                            microbatches=args.microbatches, precision=args.precision, recompute=args.recompute)
+    plan = dataclasses.replace(plan, model=args.config)   # lets `diff` re-derive it
     print(plan.summary())
+    for warning in plan.warnings:   # the summary's last lines too, but stdout may go to a file
+        print(f"warning: {warning}", file=sys.stderr)
     if args.out:
         plan.to_json(args.out)
         print(f"plan written to {args.out}")
@@ -187,6 +221,33 @@ def _plan(args) -> int:
         print(f"plan view written to {args.html}")
     print(f"planned {args.config} (batch {args.batch}, seq {seq}) in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _rederived(plan, model, device):
+    """``plan`` re-derived from its choices for ``model``: its local shapes, collectives, memory
+    and times as the passes would make them, not as its file records them."""
+    import torch
+
+    import autopar
+
+    dp, _, _ = plan.mesh
+    inputs = tuple(torch.empty(s[0] * dp * plan.microbatches, *s[1:], dtype=torch.long, device="meta")
+                   for s in plan.input_shapes)
+    return autopar.plan(model, plan.mesh, inputs, plan=plan, device=device or plan.device)
+
+
+def _diff(args) -> int:
+    from autopar.plans import Plan
+
+    a, b = Plan.from_json(args.a), Plan.from_json(args.b)
+    spec = None if args.as_written else args.model or a.model
+    if spec:
+        model = _model(spec)
+        a, b = _rederived(a, model, args.device), _rederived(b, model, args.device)
+        print(f"comparing both plans as re-derived from their choices for {spec}", file=sys.stderr)
+    text = a.diff(b)
+    print(text)
+    return 0 if text == "no differences" else 1
 
 
 def _calibrate(args) -> int:
@@ -232,10 +293,7 @@ def main(argv=None) -> int:
         if args.command == "calibrate":
             return _calibrate(args)
         if args.command == "diff":
-            from autopar.plans import Plan
-            text = Plan.from_json(args.a).diff(Plan.from_json(args.b))
-            print(text)
-            return 0 if text == "no differences" else 1
+            return _diff(args)
         if args.command == "flops":
             return _flops(args)
         return _plan(args)

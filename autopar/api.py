@@ -2,20 +2,22 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from autopar.cost_model import get_device
+from autopar.cost_model import get_device, preset_for_gpu
 from autopar.megatron import megatron_options
 from autopar.mesh import Mesh, default_device_type, device_mesh
 from autopar.passes.capture import Captured, capture_pass
-from autopar.plans import Plan
-from autopar.planner import (Assignment, PlanError, build_plan, check_tp, enumerate_strategies, solve,
-                             strategies_from_plan, with_regather)
+from autopar.plans import Plan, edited_source
+from autopar.planner import (Assignment, PlanError, build_plan, check_tp, enumerate_strategies, param_byte_time,
+                             solve, strategies_from_plan, with_regather)
 from autopar.placement import Shard
 from autopar.precision import compute_dtype, retype_pass, working_copy_ratio
 
@@ -100,7 +102,7 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
     def capture(inputs) -> Captured:   # the mesh search and the plan often trace the same shapes
         key = tuple((tuple(x.shape), x.dtype) for x in inputs)
         if key not in captures:
-            captures[key] = capture_pass(model, inputs)
+            captures[key] = capture_pass(model, inputs, require_loss=True)
         return captures[key]
 
     if isinstance(mesh, str) and mesh == "auto":
@@ -200,7 +202,9 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
         if plan == "megatron" and mesh.tp > 1:
             options = megatron_options(cap, options, sequence_parallel is not False)
         assignment = solve(cap, options, mesh.tp, dev, inter_node=mesh.tp > gpus_per_node,
-                           memory_budget=parse_bytes(memory_budget) if recompute != "auto" else None)
+                           memory_budget=parse_bytes(memory_budget) if recompute != "auto" else None,
+                           param_byte_seconds=param_byte_time(mesh, dev, zero=zero, working_copy=precision != "fp32",
+                                                              gpus_per_node=gpus_per_node))
     else:
         raise ValueError(f"plan={plan!r}: expected 'auto', 'megatron', a Plan or a plan JSON path")
     budget = parse_bytes(memory_budget)
@@ -220,11 +224,55 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
         # Megatron's storage rule before any recompute: an all-gather is cheaper than a forward
         assignment = dataclasses.replace(assignment, strategies=with_regather(assignment.strategies))
     result = finish(assignment, recompute)
-    if given is not None:
-        result = dataclasses.replace(result, notes=given.notes)
+    if given is not None:   # a plan read back unchanged (parallelize broadcasts JSON) keeps its source
+        result = dataclasses.replace(result, notes=given.notes, model=given.model,
+                                     source=given.source if given.derives_as(result) else edited_source(given.source))
     result = dataclasses.replace(result, precision=precision, peak_flops=dev.flops(compute_dtype(precision)))
     result = dataclasses.replace(result, predicted_update_s=plan_update_time(result, dev))
+    result = dataclasses.replace(result, warnings=_warnings(result, cap, assignment.strategies, mesh, dev, budget,
+                                                                 gpus_per_node))
     return cap, assignment.strategies, result
+
+
+def _warnings(result: Plan, cap, strategies, mesh, dev, budget, gpus_per_node: int) -> tuple[str, ...]:
+    """The plan's warnings: a mesh axis doing no work, a peak that the device (or memory_budget) cannot hold."""
+    from autopar.plans import axis_warnings, fit_warning
+
+    def full_recompute_peak():
+        try:
+            full = _with_memory(result, cap, strategies, mesh, dev, recompute="full", budget=budget, zero=result.zero)
+        except PlanError:   # no repeated blocks to recompute
+            return None
+        return max(m.peak for m in full.memory)
+
+    def deeper_pipeline():
+        """The least pp, doubling this one (dp and tp kept, one sequence per microbatch), whose best
+        stage cut fits: the check the planner makes at that pp, on this capture's unit costs."""
+        from autopar.pipeline import layer_units, unit_costs
+        from autopar.stage_dp import min_peak_memory
+
+        try:
+            units = layer_units(cap)
+        except PlanError:   # no blocks to cut between
+            return None
+        size = result.input_shapes[0][0]   # the captured microbatch; unit costs scale with it
+        local = size * result.microbatches
+        pp = 2 * mesh.pp
+        # a unit's bytes do not depend on pp (only the cut and the microbatches in flight do): price them once
+        time, static, act, boundary = unit_costs(cap, strategies, units, Mesh(mesh.dp, pp, mesh.tp), dev,
+                                                 zero=result.zero, gpus_per_node=gpus_per_node)
+        while pp * result.virtual_stages <= len(units) and pp <= local:
+            if local % pp == 0:
+                peak, _ = min_peak_memory(time / size, static, act / size, boundary / size, p=pp, m=local,
+                                          v=result.virtual_stages, schedule=result.schedule)
+                if peak <= limit:
+                    return (mesh.dp, pp, mesh.tp), peak
+            pp *= 2
+        return None
+
+    limit, where = (budget, "the memory budget") if budget is not None else (dev.memory_bytes, f"one {dev.name}")
+    fit = fit_warning(result, limit, where, full_recompute_peak, deeper_pipeline)
+    return tuple(axis_warnings(result)) + ((fit,) if fit else ())
 
 
 def plan_update_time(plan: Plan, dev) -> float:
@@ -315,15 +363,32 @@ def plan(model, mesh, example_inputs, *, device="h100", gpus_per_node=8, world_s
                   **knobs)[2]
 
 
-def _default_device() -> str:
-    if torch.cuda.is_available():
-        return "h200" if "H200" in torch.cuda.get_device_name() else "h100"
-    return "cpu"
+def default_device() -> str:
+    """The cost-model preset for this machine: its GPU's kind (A100, H100, H200; another GPU gets
+    the nearest preset, with a warning), or "cpu"."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name()
+    preset, exact = preset_for_gpu(name, torch.cuda.get_device_capability())
+    if not exact:
+        warnings.warn(f"autopar: no cost-model preset for the GPU {name!r}; pricing it as {preset!r}, the "
+                      f"nearest by compute capability. Pass device= a preset or a profile measured by "
+                      f"`python -m autopar calibrate --out dev.json`", stacklevel=3)
+    return preset
+
+
+def default_gpus_per_node() -> int:
+    """Ranks that share this node's fast links: torchrun's LOCAL_WORLD_SIZE, else the visible GPUs, else 8."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local and local.isdigit():
+        return int(local)
+    return torch.cuda.device_count() if torch.cuda.is_available() else 8
 
 
 def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto", recompute="none",
                 memory_budget=None, schedule="1F1B", microbatches=None, zero=0, compile=True,
-                device=None, stages=None, virtual_stages=None, precision="fp32", loss_kernel="auto"):
+                device=None, gpus_per_node=None, stages=None, virtual_stages=None, precision="fp32",
+                loss_kernel="auto"):
     """Plan ``model`` for ``mesh`` and build this rank's parallel program.
 
     Call it on every rank of an initialised process group (``torchrun``, or
@@ -334,7 +399,9 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
     "max-autotune" or "max-autotune-no-cudagraphs" through Inductor in that mode; another string
     or a callable names a torch.compile backend (e.g. "aot_eager"); False runs the rewritten
     graph eagerly.
-    ``device``: the cost model's device preset or profile (default: this machine's kind).
+    ``device``: the cost model's device preset or profile (default: this machine's kind,
+    ``default_device``). ``gpus_per_node``: ranks sharing a node's fast links, for pricing
+    axes that span nodes (default: ``default_gpus_per_node``).
     ``stages``: with pp > 1, module FQNs per stage to override the cost model's cut.
     ``virtual_stages``: stages per pipeline rank (interleaved schedules; default 2 there).
     ``precision``: "fp32"; "bf16" (bf16 compute on fp32 master weights, every gradient and
@@ -359,7 +426,8 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
             raise ValueError(f"mesh {mesh_} needs {mesh_.world_size} ranks but the world has {world}; "
                              f"launch {mesh_.world_size} processes or change the mesh")
     knobs = dict(sequence_parallel=sequence_parallel, recompute=recompute, memory_budget=memory_budget,
-                 schedule=schedule, microbatches=microbatches, zero=zero, device=device or _default_device(),
+                 schedule=schedule, microbatches=microbatches, zero=zero, device=device or default_device(),
+                 gpus_per_node=gpus_per_node or default_gpus_per_node(),
                  stages=stages, virtual_stages=virtual_stages, precision=precision)
     box = [None]
     if dist.get_rank() == 0:

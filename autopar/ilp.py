@@ -8,12 +8,20 @@ edge e = (u, v, R_e) carries a k_u x k_v matrix of resharding costs
 (R_e[i, j] = inf means the pair (u=i, v=j) is forbidden). Optionally every
 strategy has a memory m_v[i] (bytes) and there is a budget M. Find
 
-    minimise    sum_v c_v[x_v]  +  sum_e R_e[x_u, x_v]
+    minimise    sum_v c_v[x_v]  +  sum_e R_e[x_u, x_v]  +  sum_g S_g(x)
     subject to  sum_v m_v[x_v] <= M                    (only if a budget is given)
                 every chosen term finite.
 
+A shared group g = (u, members, T_g) prices a value that is moved once for all
+the consumers that want it the same way (a producer feeding q, k and v
+projections gathers its output once, not three times). Each member (v, key_v)
+names, for every strategy j of v, the form key_v[j] it asks u's output in; the
+group costs each distinct form once:
+
+    S_g(x) = sum_{d in {key_v[x_v] : (v, key_v) in g}} T_g[x_u, d]     (T_g >= 0)
+
 Edge weights (e.g. how many times a repeated block occurs) are already folded
-into the matrices by the caller.
+into the matrices and tables by the caller.
 
 Preprocessing (exact, cheap)
 ----------------------------
@@ -43,6 +51,8 @@ Objective
 ---------
     min  sum_{v,i} c_v[i] x_{v,i}  +  sum_{e,i,j} R_e[i,j] y_{e,i,j}  (+ constant)
 
+    +  sum_{g,i,d} T_g[i,d] z_{g,i,d}
+
 (divided by the largest finite |cost| before solving so HiGHS's absolute
 tolerances mean the same thing at any cost scale; the reported objective is
 recomputed from the original inputs.)
@@ -64,6 +74,16 @@ still exact. If R_e[i, j] is infinite the variable y_{e,i,j} does not exist
 and the pair (i, j) is infeasible. The LP relaxation of this formulation is
 exact on trees/chains and much tighter than the textbook
 y >= x_a + x_b - 1 linearisation in general.
+
+Shared groups
+-------------
+    z_{g,i,d} in [0,1]   for each group g, alive strategy i of u and form d with
+                         T_g[i,d] > 0
+    z_{g,i,d} >= x_{u,i} + sum_{j: key_v[j] = d} x_{v,j} - 1     for each member v
+
+With x integral the right side is 1 exactly when u takes i and some member asks
+for d, else <= 0; T_g >= 0 pushes z down to that bound, so z is integral and
+S_g is charged exactly (a fixed node's x is a constant, moved to the bound).
 
 Infeasibility
 -------------
@@ -156,9 +176,47 @@ def _validate(node_costs, edges, node_memory, memory_budget):
     return costs, elist, mem, memory_budget
 
 
-def evaluate(node_costs, edges, choice, node_memory=None) -> tuple[float, float | None]:
+def _validate_shared(shared, costs) -> list:
+    n = len(costs)
+    out = []
+    for k, g in enumerate(shared):
+        try:
+            u, members, table = g
+        except (TypeError, ValueError):
+            raise ValueError(f"shared group {k}: expected (u, members, table), got {g!r}") from None
+        u = int(u)
+        if not 0 <= u < n:
+            raise ValueError(f"shared group {k}: node index {u} out of range for {n} nodes")
+        t = np.array(table, dtype=float)
+        if t.ndim != 2 or t.shape[0] != costs[u].size:
+            raise ValueError(f"shared group {k}: table shape {t.shape} does not have "
+                             f"{costs[u].size} rows (node {u}'s strategies)")
+        if not np.isfinite(t).all() or (t < 0).any():
+            # a negative entry would pay the solver to claim a form nobody asked for
+            raise ValueError(f"shared group {k}: table entries must be finite and >= 0")
+        mlist = []
+        for v, keys in members:
+            v = int(v)
+            if not 0 <= v < n:
+                raise ValueError(f"shared group {k}: member {v} out of range for {n} nodes")
+            keys = np.array(keys, dtype=np.int64).reshape(-1)
+            if keys.size != costs[v].size or (keys < 0).any() or (keys >= t.shape[1]).any():
+                raise ValueError(f"shared group {k}: member {v} needs one form in "
+                                 f"[0, {t.shape[1]}) per strategy ({costs[v].size})")
+            mlist.append((v, keys))
+        out.append((u, mlist, t))
+    return out
+
+
+def _shared_cost(shared, choice) -> float:
+    return float(sum(sum(t[choice[u], d] for d in {int(keys[choice[v]]) for v, keys in members})
+                     for u, members, t in shared))
+
+
+def evaluate(node_costs, edges, choice, node_memory=None, shared=()) -> tuple[float, float | None]:
     """(cost, memory) of an assignment, from the raw inputs; cost may be inf."""
-    total = 0.0
+    total = _shared_cost(_validate_shared(shared, [np.asarray(c, dtype=float).reshape(-1) for c in node_costs]),
+                         choice)
     for v, c in enumerate(node_costs):
         total += float(np.asarray(c, dtype=float).reshape(-1)[choice[v]])
     for u, v, r in edges:
@@ -267,7 +325,7 @@ def _reduce(costs, elist) -> _Reduced:
 class _Model:
     """Sparse MILP over the reduced problem; objective vector chosen per solve."""
 
-    def __init__(self, red: _Reduced, mem):
+    def __init__(self, red: _Reduced, mem, shared=()):
         self.red = red
         free = [v for v in range(red.n) if v not in red.fixed]
         self.free = free
@@ -312,6 +370,8 @@ class _Model:
             cols += [ycols, self.xcol[b][sb]]
             vals += [np.ones(ny), -np.ones(sb.size)]
             r += sb.size
+        zcost, zrows = self._shared_columns(shared, col)
+        col += len(zcost)
         self.ncols = col
         self.neq = r
         # scipy is imported where an ILP is built: ranks that are handed a plan never build one
@@ -321,7 +381,18 @@ class _Model:
                                  shape=(r, col))
         self.b_eq = np.zeros(r)
         self.b_eq[:len(free)] = 1.0
-        self.cost = np.concatenate([cat(xcost), cat(ycost)]) if col else np.zeros(0)
+        self.cost = np.concatenate([cat(xcost), cat(ycost), np.array(zcost)]) if col else np.zeros(0)
+        self.A_ub = None
+        if zrows:
+            ur, uc, uv, ub = [], [], [], []
+            for k, (terms, rhs) in enumerate(zrows):
+                ur += [k] * len(terms)
+                uc += [c for c, _ in terms]
+                uv += [w for _, w in terms]
+                ub.append(rhs)
+            self.A_ub = sp.csr_array((np.array(uv, dtype=float), (np.array(ur), np.array(uc))),
+                                     shape=(len(zrows), col))
+            self.b_ub = np.array(ub, dtype=float)
         self.xmem = cat(xmem)
         self.integrality = np.zeros(col)
         self.integrality[:self.nx] = 1
@@ -330,6 +401,8 @@ class _Model:
         import scipy.sparse as sp
         from scipy.optimize import Bounds, LinearConstraint, milp
         cons = [LinearConstraint(self.A_eq, self.b_eq, self.b_eq)]
+        if self.A_ub is not None:
+            cons.append(LinearConstraint(self.A_ub, -np.inf, self.b_ub))
         if mem_rhs is not None:
             scale = float(np.max(np.abs(self.xmem))) if self.xmem.size else 0.0
             scale = scale if scale > 0 else 1.0
@@ -341,6 +414,43 @@ class _Model:
         return milp(objective / scale, constraints=cons, integrality=self.integrality,
                     bounds=Bounds(0.0, 1.0),
                     options={"time_limit": float(time_limit), "mip_rel_gap": mip_rel_gap})
+
+    def _x(self, v: int, j: int):
+        """x_{v,j} as (column, None), or (None, its constant value) for a fixed or dead strategy."""
+        if v in self.red.fixed:
+            return None, float(self.red.fixed[v] == j)
+        c = int(self.xcol[v][j])
+        return (c, None) if c >= 0 else (None, 0.0)
+
+    def _shared_columns(self, shared, col0: int):
+        """z columns (their costs) and rows ``sum(w * col) <= rhs`` pricing each shared group."""
+        zcost, rows = [], []
+        for u, members, t in shared:
+            if u in self.red.fixed and all(v in self.red.fixed for v, _ in members):
+                continue   # nothing to choose; ``evaluate`` charges it
+            for i in np.flatnonzero(self.red.alive[u]):
+                xu, cu = self._x(u, int(i))
+                for d in np.flatnonzero(t[i] > 0):
+                    z = col0 + len(zcost)
+                    made = False
+                    for v, keys in members:
+                        terms, const = [(z, -1.0)], 1.0 - (cu or 0.0)
+                        asks = [j for j in np.flatnonzero(keys == d) if self.red.alive[v][j]]
+                        if not asks or (xu is None and cu == 0.0):
+                            continue   # the row could never bind
+                        if xu is not None:
+                            terms.append((xu, 1.0))
+                        for j in asks:
+                            xv, cv = self._x(v, int(j))
+                            if xv is None:
+                                const -= cv
+                            else:
+                                terms.append((xv, 1.0))
+                        rows.append((terms, const))
+                        made = True
+                    if made:
+                        zcost.append(float(t[i, d]))
+        return zcost, rows
 
     def decode(self, xvals) -> list[int]:
         choice = [0] * self.red.n
@@ -355,8 +465,8 @@ class _Model:
 
 def solve_strategies(node_costs: Sequence, edges: Sequence, *, node_memory=None,
                      memory_budget=None, time_limit: float = 60.0,
-                     mip_rel_gap: float = 1e-9) -> Solution:
-    """Choose one strategy per node minimising node + edge costs (see module docstring).
+                     mip_rel_gap: float = 1e-9, shared: Sequence = ()) -> Solution:
+    """Choose one strategy per node minimising node + edge + shared-group costs (see module docstring).
 
     Raises InfeasibleError when no assignment exists (forbidden entries or memory budget),
     SolverError when the time limit passes before any feasible assignment is found.
@@ -364,9 +474,10 @@ def solve_strategies(node_costs: Sequence, edges: Sequence, *, node_memory=None,
     """
     t0 = time.perf_counter()
     costs, elist, mem, budget = _validate(node_costs, edges, node_memory, memory_budget)
+    groups = _validate_shared(shared, costs)
     red = _reduce(costs, elist)
     fixed_mem = sum(float(mem[v][s]) for v, s in red.fixed.items()) if mem is not None else 0.0
-    model = _Model(red, mem)
+    model = _Model(red, mem, groups)
     status = "optimal"
     if model.ncols == 0:
         choice = model.decode(np.zeros(0))
@@ -385,7 +496,7 @@ def solve_strategies(node_costs: Sequence, edges: Sequence, *, node_memory=None,
         if res.status != 0:
             status = "time_limit"
         choice = model.decode(res.x)
-    obj, used = evaluate(costs, elist, choice, mem)
+    obj, used = evaluate(costs, elist, choice, mem, groups)
     if not math.isfinite(obj):  # cannot happen: forbidden entries have no variables
         raise SolverError(f"internal error: chosen assignment has infinite cost {choice}")
     return Solution(tuple(choice), float(obj), time.perf_counter() - t0, status, used)
@@ -408,10 +519,11 @@ def _diagnose(model: _Model, mem, budget, time_limit) -> InfeasibleError:
 # --------------------------------------------------------------------------- reference
 
 def brute_force(node_costs, edges, node_memory=None, memory_budget=None,
-                max_states: int = 20_000_000) -> Solution:
+                max_states: int = 20_000_000, shared: Sequence = ()) -> Solution:
     """Exhaustive search over all assignments (small instances only; same semantics)."""
     t0 = time.perf_counter()
     costs, elist, mem, budget = _validate(node_costs, edges, node_memory, memory_budget)
+    groups = _validate_shared(shared, costs)
     n = len(costs)
     for v, c in enumerate(costs):
         if not np.isfinite(c).any():
@@ -435,6 +547,12 @@ def brute_force(node_costs, edges, node_memory=None, memory_budget=None,
             s = [1] * n
             s[u], s[v] = r.shape[0], r.shape[1]
             total = total + (r if u < v else r.T).reshape(s)
+    for u, members, t in groups:
+        for d in range(t.shape[1]):
+            asked = np.zeros(shape, dtype=bool)
+            for v, keys in members:
+                asked = asked | axis_view(v, keys == d)
+            total = total + np.where(asked, axis_view(u, t[:, d]), 0.0)
     memory = None
     if mem is not None:
         memory = np.zeros(shape)
@@ -452,5 +570,5 @@ def brute_force(node_costs, edges, node_memory=None, memory_budget=None,
     flat = np.where(ok, total, np.inf).ravel()
     best = int(np.argmin(flat))
     choice = tuple(int(i) for i in np.unravel_index(best, shape))
-    obj, used = evaluate(costs, elist, choice, mem)
+    obj, used = evaluate(costs, elist, choice, mem, groups)
     return Solution(choice, float(obj), time.perf_counter() - t0, "optimal", used)

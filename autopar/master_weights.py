@@ -16,11 +16,13 @@ was 1.2-1.4 ms shorter at batch 32 (0.1 ms at batch 8; BENCHMARKS.md).
 
 What changes for the caller: ``p.grad`` of ``pm.parameters()`` stays None (the gradients live on
 the working copies); ``pm.clip_grad_norm_`` and ``pm.full_grads`` read them there, and a torch
-utility that walks ``p.grad`` sees none. Supported where each step is one forward and backward
-on one stage with bf16 compute: pp = 1, one microbatch, no ZeRO; dp > 1 sums the gradients in
-fp32, as the default path does, and a weight whose gradient the graph sums over tp (a
-replicated norm weight under sequence parallelism) keeps an fp32 copy, small as it is, so that
-sum is not rounded to bf16. Gradients do not add up across ``train_step`` calls (they would in
+utility that walks ``p.grad`` sees none. Any other torch optimizer over those parameters (the
+model's own included) would therefore update nothing: once MasterAdamW is built, such an
+optimizer raises at its ``step()`` (``ParallelModel``'s step guard). Supported where each step
+is one forward and backward on one stage with bf16 compute: pp = 1, one microbatch, no ZeRO;
+dp > 1 sums the gradients in fp32, as the default path does, and a weight whose gradient the
+graph sums over tp (a replicated norm weight under sequence parallelism) keeps an fp32 copy,
+small as it is, so that sum is not rounded to bf16. Gradients do not add up across ``train_step`` calls (they would in
 bf16): ``opt.zero_grad()`` comes before each.
 """
 from __future__ import annotations

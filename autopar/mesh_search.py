@@ -15,7 +15,7 @@ from autopar.cost_model.compute import update_time
 from autopar.mesh import Mesh
 from autopar.passes.capture import capture_pass
 from autopar.pipeline import dp_sync_time, layer_units, state_bytes_per_param_byte, unit_costs
-from autopar.planner import PlanError, check_tp, divisors, enumerate_strategies, solve
+from autopar.planner import PlanError, check_tp, divisors, enumerate_strategies, param_byte_time, solve
 from autopar.precision import retype_pass, working_copy_ratio
 from autopar.stage_dp import cut_stages, min_peak_memory
 
@@ -51,7 +51,11 @@ def rank_meshes(model, world_size: int, example_inputs, *, device="h100", gpus_p
             continue
         if progress:
             progress(f"tp={tp}: solving the sharding ILP")
-        strategies = solve(cap, enumerate_strategies(cap, tp, sequence_parallel), tp, dev).strategies
+        # the sharding is solved once per tp; its update and dp-sync price is that of dp filling the rest
+        per_byte = param_byte_time(Mesh(world_size // tp, 1, tp), dev, zero=zero, working_copy=precision != "fp32",
+                                   gpus_per_node=gpus_per_node)
+        strategies = solve(cap, enumerate_strategies(cap, tp, sequence_parallel), tp, dev,
+                           param_byte_seconds=per_byte).strategies
         for pp in divisors(world_size // tp):
             dp = world_size // (tp * pp)
             if batch % (dp * microbatch_size) or pp > len(units):

@@ -4,9 +4,11 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import weakref
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar import collectives as C
 from autopar.mesh import default_device_type, group_name
@@ -23,9 +25,22 @@ from autopar.precision import LossScaler, WorkingCopies, compute_dtype, precisio
 class ParallelModel:
     """This rank's local parameter shards and its compiled forward; ``train_step`` runs a step.
 
-    ``parameters()`` are the local shards for any torch optimizer (with ``zero=1`` use
-    ``optimizer(...)``, which shards optimizer state over dp). Gradients after
-    ``train_step`` are averaged over dp and complete (no partial sums) on every rank.
+    The model given to ``parallelize`` becomes this rank's share of it, as with FSDP2's
+    ``fully_shard``: each of its parameters is replaced by the local shard (a plain tensor of
+    local shape), so ``model.parameters()`` and ``parameters()`` are the same tensor objects
+    (tied weights stay tied) and an optimizer over either trains the parallel model. With pp > 1
+    a parameter of a stage this rank does not run becomes an empty tensor (0 elements, no
+    gradient ever), which every torch optimizer skips. The module no longer runs on its own
+    where its weights are not whole (tp or pp > 1: calling it raises); build a fresh model
+    and load ``full_state_dict()`` for an unsharded copy.
+
+    Gradients after ``train_step`` are averaged over dp and complete (no partial sums) on every
+    rank, and any torch optimizer over ``parameters()`` is correct, except where the gradients
+    do not live on the parameters: with ``zero=1`` (they are reduce-scattered into the dp shard
+    that ``optimizer(...)`` steps) and once ``optimizer(MasterAdamW)`` is built (they stay on
+    the bf16 working copies). There any other optimizer stepping these parameters raises at its
+    ``step()``, naming ``pm.optimizer(...)``; so does one built over the model's parameters
+    before ``parallelize`` replaced them.
 
     With ``plan.precision`` "bf16" or "fp16" the graph computes at 16 bits, on one working copy
     of the weights per step, while parameters, gradients and optimizer state stay fp32 and
@@ -53,9 +68,10 @@ class ParallelModel:
         # step. With several microbatches the copies are made once per step and shared (``WorkingCopies``).
         in_graph = mesh.pp == 1 and plan.microbatches == 1
         if plan.precision != "fp32":
-            floats = {n.name for n in cap.inputs if is_float(n)}
-            if in_graph:
-                floats |= {n.name for n in cap.gm.graph.nodes if n.op == "placeholder" and is_float(n)}
+            # inputs and buffers are cast in the graph, where it can leave those computing tables alone;
+            # weights too with one microbatch on one stage (else ``WorkingCopies`` shares one copy)
+            floats = {n.name for n in cap.gm.graph.nodes if n.op == "placeholder" and is_float(n)
+                      and (in_graph or n.meta.get("kind") != "param")}
             stage_of = None
             if mesh.pp > 1:
                 from autopar.pipeline import stage_of_nodes
@@ -74,9 +90,10 @@ class ParallelModel:
             return _materialize(model, cap, self._placement, mesh.tp, self.coords["tp"], fqns)
 
         self._buffers = {fqn: b for fqn, b in model.named_buffers() if fqn in cap.buffers}
+        self._buffers.update(cap.constant_tensors(self._device))   # torch.export's lifted constants
         # the buffers the module's own state_dict holds: checkpoints and exports carry exactly these
         self._persistent_buffers = [fqn for fqn in model.state_dict(keep_vars=True) if fqn in self._buffers]
-        self._casts = WorkingCopies("fp32" if in_graph else plan.precision)
+        self._casts = WorkingCopies("fp32" if in_graph else plan.precision, names=cap.params)
         self._master = None   # WorkingWeights, once optimizer(MasterAdamW) is asked for
         self.loss_scaler = LossScaler() if plan.precision == "fp16" else None
         self.step_skipped = False
@@ -96,14 +113,46 @@ class ParallelModel:
         self._input_names = [n.name for n in cap.inputs]
         self._global_batch = plan.input_shapes[0][0] * mesh.dp * plan.microbatches if plan.input_shapes else None
         self._zero = _Zero1(self) if plan.zero else None
+        self._replaced = _adopt_shards(model, self._params, cap.params, self._device)
+        self._ids = {id(p) for p in self._params.values()}
+        _guard_optimizer_steps(self)
+        if mesh.pp > 1 or any(self._sharded(fqn) for fqn in self._params):
+            model.register_forward_pre_hook(_refuse_unsharded_call)
 
     # ---- parameters ----------------------------------------------------------------------
 
     def named_parameters(self):
+        """(FQN, local shard) of every parameter this rank holds; the model's own, since parallelize."""
         return iter(self._params.items())
 
     def parameters(self):
+        """This rank's local shards, the same tensors as the model's parameters (see the class docstring)."""
         return iter(self._params.values())
+
+    def _refuse_inert(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise if ``optimizer`` is about to step tensors whose gradients this model never fills
+        (run before every torch optimizer's ``step``, by ``_guard_optimizer_steps``)."""
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        name = type(optimizer).__name__
+        if any((r := self._replaced.get(id(p))) is not None and r() is p for p in held):
+            raise RuntimeError(f"{name} holds the parameters the model had before autopar.parallelize replaced "
+                               "them with this rank's shards, and those get no gradients: build the optimizer "
+                               "after parallelize, over pm.parameters() (the model's parameters are now the "
+                               "same tensors), or with pm.optimizer(...)")
+        if self._zero is None and self._master is None:
+            return
+        if isinstance(optimizer, MasterAdamW) and optimizer.working is self._master:
+            return
+        if not any(id(p) in self._ids for p in held):
+            return
+        if self._zero is not None:
+            raise RuntimeError(f"zero=1: train_step reduce-scatters the gradients into the dp shard that "
+                               f"pm.optimizer(...) steps and leaves p.grad of pm.parameters() None, so {name} "
+                               f"over them would never update them; build it with pm.optimizer({name}, ...)")
+        raise RuntimeError(f"with pm.optimizer(autopar.MasterAdamW) the gradients stay on the bf16 working "
+                           f"copies and p.grad of pm.parameters() stays None, so {name} over them would never "
+                           "update them; step only the MasterAdamW that pm.optimizer built, or parallelize a "
+                           "fresh model for another optimizer")
 
     def optimizer(self, cls=torch.optim.AdamW, **kwargs):
         """An optimizer over the local shards; with zero=1 its state is also sharded over dp.
@@ -340,6 +389,50 @@ def _scale(tensors, max_norm, norm):
     if coef < 1:
         for t in tensors:
             t.mul_(coef)
+
+
+def _adopt_shards(model, local: dict[str, torch.nn.Parameter], fqns, device) -> dict[int, weakref.ref]:
+    """Make ``model``'s parameters (canonical ``fqns``) the shards ``local``, every name of a tied
+    weight the same shard, one this rank does not hold an empty tensor. Returns weak references to
+    the replaced tensors by id, so that an optimizer still holding one can be recognised (the
+    weak reference, unlike the id alone, cannot mistake a new tensor at a reused address)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    full = dict(model.named_parameters(remove_duplicate=False))
+    replaced = {}
+    for fqn in fqns:
+        old = full[fqn]
+        new = local.get(fqn)
+        if new is None:
+            new = torch.nn.Parameter(torch.empty(0, dtype=old.dtype, device=device), requires_grad=old.requires_grad)
+        replaced[id(old)] = weakref.ref(old)
+        for name in names[id(old)]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, new)
+    return replaced
+
+
+def _guard_optimizer_steps(pm: ParallelModel) -> None:
+    """Run ``pm._refuse_inert`` before every torch optimizer's step, through torch.optim's global
+    step pre-hook (the one way to see an optimizer that ``pm.optimizer`` did not build). The hook
+    holds ``pm`` weakly and is removed when ``pm`` is collected."""
+    ref = weakref.ref(pm)
+
+    def hook(optimizer, args, kwargs):
+        alive = ref()
+        if alive is not None:
+            alive._refuse_inert(optimizer)
+
+    handle = register_optimizer_step_pre_hook(hook)
+    weakref.finalize(pm, handle.remove)
+
+
+def _refuse_unsharded_call(module, args):
+    raise RuntimeError(f"this {type(module).__name__} was given to autopar.parallelize: its parameters are now "
+                       "this rank's shards, not its full weights, so it no longer runs on its own; run "
+                       "pm.train_step(...) (or pm(...) for the forward), or load pm.full_state_dict() into a "
+                       "freshly built model")
 
 
 def _materialize(model, cap, placements, size: int, rank: int, fqns) -> dict[str, torch.nn.Parameter]:

@@ -61,8 +61,17 @@ def padded_size(n: int, parts: int) -> int:
     return -(-n // parts)
 
 
+def check_dim(shape, placement: Placement) -> None:
+    """Raise ValueError, in words, when ``placement`` shards a dim that ``shape`` does not have."""
+    if isinstance(placement, Shard) and not -len(shape) <= placement.dim < len(shape):
+        valid = f"S(0)..S({len(shape) - 1}) or R" if shape else "R (a scalar has no dim to shard)"
+        raise ValueError(f"{placement} shards dim {placement.dim}, but the tensor of shape {list(shape)} "
+                         f"has {len(shape)} dim(s): use {valid}")
+
+
 def local_shape(shape, placement: Placement, parts: int) -> tuple[int, ...]:
     """Shape of one rank's piece of a tensor of global ``shape``."""
+    check_dim(shape, placement)
     shape = list(shape)
     if isinstance(placement, Shard) and parts > 1:
         d = placement.dim

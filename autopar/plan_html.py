@@ -4,7 +4,7 @@ The page needs nothing at view time: CSS and the few lines of JS are inline, no 
 network. It shows, top to bottom:
 
 - a header: mesh (dp, pp, tp), device, schedule and microbatches, sequence parallel, ZeRO,
-  recompute mode, predicted step time;
+  recompute mode, predicted step time, and the plan's warnings (an idle axis, a peak above the device);
 - the model as its layers in order, grouped into one ``<section data-stage="k">`` per pipeline
   stage and coloured by stage. A layer is the module that owns a run of graph nodes (a stage
   module such as ``transformer.h.3``; without stages, the module path up to its first layer
@@ -42,6 +42,7 @@ details.layer>div{padding:4px 8px 8px}
 .name{font-weight:600;font-family:ui-monospace,Menlo,Consolas,monospace}
 .x{background:#222;color:#fff;border-radius:10px;padding:0 7px;font-size:12px}
 .muted{color:#777;font-size:12px}
+.warn{color:#a40000;font-weight:600}
 .coll{background:#fff4d6;border:1px solid #e0b84a;border-radius:4px;padding:0 5px;font-size:12px}
 .coll.dp{background:#e3f0ff;border-color:#7aa7d9}.rc{background:#eee;border-radius:4px;padding:0 5px;font-size:12px}
 table{border-collapse:collapse;background:#fff;font-size:13px}
@@ -192,8 +193,10 @@ def _header(plan) -> str:
              ("plan source", f"{plan.source}, solved in {plan.solve_seconds:.2f} s"), ("bytes moved per step", comm)]
     cells = "".join(f'<div class="fact"><b>{_e(k)}</b>{_e(v)}</div>' for k, v in facts)
     notes = "".join(f"<li>{_e(n)}</li>" for n in plan.notes)
+    warnings = "".join(f"<li>{_e(w)}</li>" for w in plan.warnings)
     return (f"<header><h1>autopar plan: dp={dp} pp={pp} tp={tp} on {_e(plan.device)}</h1>"
-            f'<div class="facts">{cells}</div>' + (f"<ul class='muted'>{notes}</ul>" if notes else "") + "</header>")
+            f'<div class="facts">{cells}</div>' + (f"<ul class='warn'>{warnings}</ul>" if warnings else "")
+            + (f"<ul class='muted'>{notes}</ul>" if notes else "") + "</header>")
 
 
 def _layer_html(layer: _Layer, colour: str, recomputed: set) -> str:

@@ -3,8 +3,11 @@
 For every node the sharding rules list strategies; the cost of a strategy is its
 compute time (divided as the strategy divides the work) plus the collectives inside
 it; the cost of an edge is the collectives that move the producer's placement into
-the one the consumer asks for, forward and backward (``passes.reshard``). The ILP
-(``autopar.ilp``) picks the cheapest consistent assignment.
+the one the consumer asks for, forward and backward (``passes.reshard``), paid once
+per producer and form however many consumers want it so (the rewrite moves it once);
+a parameter's strategy also pays the optimizer update and dp gradient sync of its
+local shard. That is the step time ``build_plan`` prices. The ILP (``autopar.ilp``)
+picks the cheapest consistent assignment.
 
 Repeated transformer blocks are solved once: the ILP sees the non-block nodes plus
 one block whose node and internal-edge costs are multiplied by the block count L,
@@ -30,7 +33,7 @@ from autopar.ilp import solve_strategies
 from autopar.passes.capture import Captured
 from autopar.passes.reshard import ReshardError, can_regather, regather_candidate, reshard_steps, step_collectives
 from autopar.passes.rules import POINTWISE, RuleContext, Strategy, dim_labels, is_float, shape, strategies_for
-from autopar.placement import R, Placement, Shard
+from autopar.placement import R, Placement, Shard, local_shape
 
 aten = torch.ops.aten
 
@@ -152,25 +155,42 @@ def find_blocks(cap: Captured) -> list[list[Node]] | None:
 
 def solve(cap: Captured, options: dict[Node, list[Strategy]], tp: int, dev, *,
           inter_node: bool = False, memory_budget: float | None = None,
-          param_state_bytes: float = 4.0) -> Assignment:
+          param_state_bytes: float = 4.0, param_byte_seconds: float = 0.0) -> Assignment:
     """Choose a strategy per node minimising predicted step time (ILP, blocks solved once).
 
-    Every node and edge of the full graph is charged to its twin in block 0, so a
-    block's internal edges count L times and the block-to-block edges L-1 times.
+    Every node and edge of the full graph is charged to its twin in block 0 (in the first
+    block with the same options), so a block's internal edges count L times and the
+    block-to-block edges L-1 times.
+    A value wanted by several consumers in the same form is moved once, as the rewrite
+    moves it (``tp_collectives``): those edges are priced as one shared group per producer.
     ``param_state_bytes``: bytes of parameter + gradient + optimizer state held per
-    parameter byte, for the optional per-rank ``memory_budget``."""
+    parameter byte, for the optional per-rank ``memory_budget``; ``param_byte_seconds``:
+    step time per byte of a parameter's local shard outside the ops (``param_byte_time``)."""
     g = cap.gm.graph
     rep: dict[Node, Node] = {n: n for n in options}
-    blocks = find_blocks(cap) or []
-    for block in blocks:
-        rep.update(zip(block, blocks[0]))
+    # A block is charged to the first one whose nodes have the same options in the same order:
+    # a strategy index of one is then the same strategy in the other (restricted options, e.g.
+    # a plan's sequence-parallel rule over layers whose dims are labelled apart, can differ).
+    first: dict[tuple, list[Node]] = {}
+    for block in find_blocks(cap) or []:
+        twin = first.setdefault(tuple(tuple(map(str, options.get(n, ()))) for n in block), block)
+        rep.update(zip(block, twin))
     nodes = [n for n in options if rep[n] is n]
     ids = {n: k for k, n in enumerate(nodes)}
     mult = Counter(rep[n] for n in options)
-    uses = Counter((rep[p], rep[c], slot) for c in g.nodes if c.op == "call_function"
-                   for slot, p in enumerate(c.all_input_nodes))
+    fan_out: dict[Node, list[tuple[Node, int]]] = {}
+    for c in g.nodes:
+        if c.op == "call_function":
+            for slot, p in enumerate(c.all_input_nodes):
+                fan_out.setdefault(p, []).append((c, slot))
+    shared_at = {p for p, outs in fan_out.items()
+                 if len(outs) > 1 and not isinstance(p.meta.get("val"), (list, tuple))}
+    uses = Counter((rep[p], rep[c], slot) for p, outs in fan_out.items() if p not in shared_at for c, slot in outs)
+    masked = {(rep[p], rep[c], slot) for p in shared_at for c, slot in fan_out[p]}
+    groups = Counter((rep[p], tuple((rep[c], slot) for c, slot in fan_out[p])) for p in shared_at)
 
-    node_costs = [mult[n] * np.array([_strategy_time(n, s, tp, dev, inter_node) for s in options[n]])
+    node_costs = [mult[n] * np.array([_strategy_time(n, s, tp, dev, inter_node)
+                                      + param_byte_seconds * _param_memory(n, s, tp, 1.0) for s in options[n]])
                   for n in nodes]
     memory = None
     if memory_budget is not None:
@@ -178,17 +198,37 @@ def solve(cap: Captured, options: dict[Node, list[Strategy]], tp: int, dev, *,
                   for n in nodes]
     edges = [(ids[p], ids[c], k * _edge_matrix(p, c, slot, options, tp, dev, inter_node))
              for (p, c, slot), k in uses.items()]
+    edges += [(ids[p], ids[c], np.where(np.isinf(_edge_matrix(p, c, slot, options, tp, dev, inter_node)), np.inf, 0.0))
+              for p, c, slot in masked - set(uses)]
+    shared = [_shared_group(p, members, k, ids, options, tp, dev, inter_node) for (p, members), k in groups.items()]
     t0 = time.perf_counter()
-    sol = solve_strategies(node_costs, edges, node_memory=memory, memory_budget=memory_budget)
+    sol = solve_strategies(node_costs, edges, node_memory=memory, memory_budget=memory_budget, shared=shared)
     seconds = time.perf_counter() - t0
     return Assignment({n: options[n][sol.choice[ids[rep[n]]]] for n in options},
                       options, seconds, sol.objective)
 
 
+def param_byte_time(mesh, dev, *, zero: int, working_copy: bool, gpus_per_node: int = 8) -> float:
+    """Step seconds per byte of one rank's parameter shards spent outside the forward and
+    backward ops: the optimizer update (``update_time``) and the dp gradient sync, both
+    linear in those bytes as ``build_plan`` and ``plan_update_time`` price them (with
+    pipeline stages each rank holds about 1/pp of the layers, so 1/pp of it is charged)."""
+    from autopar.cost_model import axis_is_inter_node
+    from autopar.cost_model.compute import update_time
+
+    seconds = update_time(1.0, dev, working_copy=working_copy, optimizer_shards=mesh.dp if zero else 1)
+    if mesh.dp > 1:
+        inter = axis_is_inter_node(mesh.dp, mesh.pp * mesh.tp, gpus_per_node)
+        kinds = ["reduce_scatter", "all_gather"] if zero else ["all_reduce"]
+        # the latency of the one bucketed collective per kind does not depend on the placements
+        seconds += sum(collective_time(k, 1.0, mesh.dp, dev, inter) - collective_time(k, 0.0, mesh.dp, dev, inter)
+                       for k in kinds)
+    return seconds / mesh.pp
+
+
 def _edge_matrix(producer: Node, consumer: Node, slot: int, options, tp, dev, inter_node) -> np.ndarray:
     srcs, dsts = options[producer], options[consumer]
     moved = consumer if isinstance(producer.meta.get("val"), (list, tuple)) else producer
-    nbytes, dtype = tensor_bytes(moved), getattr(moved.meta.get("val"), "dtype", None)
     fl = is_float(producer)
     tuple_out = isinstance(producer.meta.get("val"), (list, tuple))
     m = np.zeros((len(srcs), len(dsts)))
@@ -200,15 +240,39 @@ def _edge_matrix(producer: Node, consumer: Node, slot: int, options, tp, dev, in
                 m[i, j] = np.inf   # a multi-output op's pieces are taken as they are
                 continue
             if key not in cache:
-                try:
-                    kinds = edge_collectives(consumer.target, slot, *key, fl)
-                    cache[key] = sum(collective_time(kind, summed_bytes(kind, nbytes, dtype), tp, dev, inter_node)
-                                     + LAUNCH_OVERHEAD
-                                     for _, kind in kinds)
-                except ReshardError:
-                    cache[key] = np.inf
+                cache[key] = _move_time(moved, consumer.target, slot, key, tp, dev, inter_node, fl)
             m[i, j] = cache[key]
     return m
+
+
+def _move_time(moved: Node, consumer_target, slot: int, form: tuple, tp: int, dev, inter_node: bool,
+               fl: bool) -> float:
+    """Seconds of the collectives moving the value ``moved`` from placement ``form[0]`` to
+    ``form[1]`` (``form[2]``: its gradient is partial) for one consumer input; inf where no
+    reshard exists."""
+    nbytes, dtype = tensor_bytes(moved), getattr(moved.meta.get("val"), "dtype", None)
+    try:
+        kinds = edge_collectives(consumer_target, slot, *form, fl)
+    except ReshardError:
+        return np.inf
+    return sum(collective_time(kind, summed_bytes(kind, nbytes, dtype), tp, dev, inter_node) + LAUNCH_OVERHEAD
+               for _, kind in kinds)
+
+
+def _shared_group(producer: Node, members, count: int, ids, options, tp, dev, inter_node):
+    """The ILP's shared group (``autopar.ilp``) of one producer's consumers: each consumer strategy
+    asks for a form (placement, divergent) of the value, and every distinct form is paid once."""
+    fl = is_float(producer)
+    forms: dict[tuple, int] = {}
+    keyed = []
+    for c, slot in members:
+        keys = [forms.setdefault((b.inputs[slot], b.divergent(slot) and fl), len(forms)) for b in options[c]]
+        keyed.append((ids[c], keys))
+    c0, slot0 = members[0]
+    table = np.array([[_move_time(producer, c0.target, slot0, (a.output, *form), tp, dev, inter_node, fl)
+                       for form in forms] for a in options[producer]])
+    # an impossible move is forbidden by the pairwise edge; the group only prices possible ones
+    return ids[producer], keyed, count * np.where(np.isinf(table), 0.0, table)
 
 
 def strategy_work(node: Node, s: Strategy) -> tuple[float, float, torch.dtype]:
@@ -232,7 +296,9 @@ def _strategy_time(node: Node, s: Strategy, tp: int, dev, inter_node: bool, with
         return 0.0
     flops, nbytes, dtype = strategy_work(node, s)
     t = compute_time(flops, nbytes, dev, dtype, attention_kind(node))
-    rows = shape(node.args[0])[0] if s.comm and with_comm else 0
+    if not with_comm:   # the plan prices the in-op collectives, latency too, with the others
+        return t
+    rows = shape(node.args[0])[0] if s.comm else 0
     return t + sum(collective_time(kind, _comm_bytes(kind, rows, tp), tp, dev, inter_node) for kind, _ in s.comm)
 
 
@@ -244,8 +310,8 @@ def _comm_bytes(kind: str, rows: int, tp: int) -> float:
 def _param_memory(node: Node, s: Strategy, tp: int, state_bytes: float) -> float:
     if node.meta.get("kind") != "param":
         return 0.0
-    split = tp if isinstance(s.output, Shard) else 1
-    return tensor_bytes(node) * state_bytes / split
+    # padded as the shard really is: the plan prices the update and dp sync of these bytes
+    return float(np.prod(local_shape(shape(node), s.output, tp))) * node.meta["val"].element_size() * state_bytes
 
 
 # ---- from an assignment to a Plan, and back ------------------------------------------------
@@ -303,7 +369,6 @@ def build_plan(cap: Captured, assignment: Assignment, mesh, dev, *, sequence_par
     """Turn the chosen strategies into a ``Plan`` with placements, collectives and predicted times."""
     from autopar.cost_model import axis_is_inter_node
     from autopar.plans import CollectivePlan, NodePlan, ParamPlan, Plan
-    from autopar.placement import local_shape
 
     strategies = assignment.strategies
     tp, dp = mesh.tp, mesh.dp

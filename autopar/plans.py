@@ -109,9 +109,11 @@ class Plan:
     recompute_regions: tuple[tuple[str, ...], ...] = ()   # global node names recomputed together
     memory: tuple[MemoryPlan, ...] = ()
     precision: str = "fp32"         # compute dtype: "fp32", "bf16" or "fp16"; weights, grads, reductions stay fp32
-    source: str = "auto"
+    source: str = "auto"            # "auto", "megatron", or "edited from ..." once its choices were changed by hand
     version: int = PLAN_VERSION
     notes: tuple[str, ...] = field(default=())
+    model: str = ""                 # what `python -m autopar plan` was given (a config or file.py:factory), for `diff`
+    warnings: tuple[str, ...] = ()  # an axis doing no work, a peak above the device: derived anew at every planning
 
     def __post_init__(self):
         if self.precision not in PRECISION_NOTES:
@@ -137,6 +139,17 @@ class Plan:
         (on the meta device is fine); ``device`` is needed when the plan was priced on a profile."""
         from autopar.cost_model.symbolic import cost_expr
         return cost_expr(model, self, example_inputs, device=device, gpus_per_node=gpus_per_node)
+
+    def derives_as(self, derived: "Plan") -> bool:
+        """Whether ``derived``, this plan re-derived from its own choices, records the same local
+        shapes, collectives, stages and memory as this plan does: false once a choice was edited
+        by hand without the numbers that follow from it. Times are left out: they depend on the
+        device they were priced on."""
+        def facts(plan):
+            return (plan.parameters, plan.nodes, _collective_totals(plan.collectives),
+                    tuple((s.rank, s.modules) for s in plan.stages), plan.recompute_regions)
+        return facts(self) == facts(derived) and len(self.memory) == len(derived.memory) and all(
+            _close(a, b) for a, b in zip(self.memory, derived.memory))
 
     def param(self, fqn: str) -> ParamPlan:
         for p in self.parameters:
@@ -174,7 +187,9 @@ class Plan:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise PlanFormatError(f"plan is not valid JSON: {e}") from None
-        return _build(cls, data, "plan")
+        plan = _build(cls, data, "plan")
+        _check_placements(plan)
+        return plan
 
     # ---- comparison --------------------------------------------------------------------
 
@@ -188,8 +203,16 @@ class Plan:
             a, b = getattr(self, f), getattr(other, f)
             if a != b:
                 out.append(f"{f}: {a} -> {b}")
-        _diff_keyed(out, "parameter", {p.fqn: p for p in self.parameters}, {p.fqn: p for p in other.parameters},
-                    lambda p: f"tp {p.placements.get('tp')} dp {p.placements.get('dp')} local {list(p.local_shape)}")
+        params_b = {p.fqn: p for p in other.parameters}
+        changed = {p.fqn: [a for a in _axis_order(p.placements, params_b[p.fqn].placements)
+                           if p.placements.get(a) != params_b[p.fqn].placements.get(a)]
+                   for p in self.parameters if p.fqn in params_b}
+
+        def show_param(p):   # a changed parameter shows only the axes that changed, in mesh order
+            axes = changed[p.fqn] if p.fqn in changed else _axis_order(p.placements)
+            return " ".join([f"{a} {p.placements.get(a)}" for a in axes] + [f"local {list(p.local_shape)}"])
+
+        _diff_keyed(out, "parameter", {p.fqn: p for p in self.parameters}, params_b, show_param)
         _diff_keyed(out, "node", {n.name: n for n in self.nodes}, {n.name: n for n in other.nodes},
                     lambda n: f"({', '.join(n.inputs)}) -> {n.output}" + (f" [{n.local}]" if n.local else ""),
                     label=lambda n: f"{n.name} in {n.module or 'top level'}")
@@ -210,7 +233,8 @@ class Plan:
     # ---- text --------------------------------------------------------------------------
 
     def summary(self) -> str:
-        """A readable account: mesh, parameters and their placements, collectives per layer, times."""
+        """A readable account: mesh, parameters and their placements, collectives per layer, memory,
+        times, then the notes and warnings (an idle axis, a peak above the device)."""
         dp, pp, tp = self.mesh
         lines = [f"autopar plan ({self.source}) for mesh dp={dp} pp={pp} tp={tp} on {self.device}",
                  f"  microbatch input shapes {list(map(list, self.input_shapes))}, microbatches "
@@ -238,18 +262,113 @@ class Plan:
             lines += ["", f"Memory per rank (GiB; recompute {self.recompute}, "
                           f"{len(self.recompute_regions)} regions):"]
             for mem in self.memory:
-                lines.append(f"  stage {mem.stage}: params {mem.params / 2**30:.3f}  grads {mem.grads / 2**30:.3f}  "
+                grads = "(in backward)" if self.microbatches == 1 else f"{mem.grads / 2**30:.3f}"
+                lines.append(f"  stage {mem.stage}: params {mem.params / 2**30:.3f}  grads {grads}  "
                              f"optimizer {mem.optimizer / 2**30:.3f}  activations {mem.activations / 2**30:.3f}  "
                              f"backward above forward {mem.transient / 2**30:.3f}  "
                              f"peak {mem.peak / 2**30:.3f}")
+        if self.memory and self.microbatches == 1:
+            lines.append("  grads (in backward): with one microbatch no gradient outlives the backward; each "
+                         "arrives during it and is counted in 'backward above forward'")
         lines += ["", f"Predicted step time {self.predicted_step_time * 1e3:.3f} ms "
                       f"(compute {self.predicted_compute_s * 1e3:.3f} ms, "
                       f"communication {self.predicted_comm_s * 1e3:.3f} ms, "
                       f"update {self.predicted_update_s * 1e3:.3f} ms); solved in {self.solve_seconds:.2f} s",
                   f"Model FLOPs per step {self.model_flops:.3e}; predicted MFU {self.predicted_mfu:.1%} "
-                  f"of {self.peak_flops / 1e12:.0f} TFLOP/s per device"]
+                  f"of {_significant(self.peak_flops / 1e12)} TFLOP/s per device"]
         lines += [f"Note: {n}" for n in self.notes]
+        lines += [f"Warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+def _significant(x: float) -> str:
+    """``x`` with three significant digits, without an exponent for the sizes a device's peak takes."""
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _axis_order(*placements: dict) -> list[str]:
+    """The axes named in ``placements`` in the mesh's order (dp, pp, tp), any others after."""
+    named = dict.fromkeys(a for pl in placements for a in pl)
+    return [a for a in ("dp", "pp", "tp") if a in named] + [a for a in named if a not in ("dp", "pp", "tp")]
+
+
+def edited_source(source: str) -> str:
+    """The ``source`` of a plan whose choices were changed by hand from a plan of ``source``."""
+    return source if source.startswith("edited from ") else f"edited from {source}"
+
+
+def axis_warnings(plan: Plan) -> list[str]:
+    """A sentence for each mesh axis the plan gives no work. Only tp can be idle: over it every
+    weight and activation may be replicated (its ranks then repeat one computation), while dp
+    always splits the batch and every pipeline stage holds at least one unit."""
+    dp, _, tp = plan.mesh
+    out = []
+    replicated = (all(p.placements.get("tp", "R") == "R" for p in plan.parameters)
+                  and all(n.output == "R" and set(n.inputs) <= {"R"} for n in plan.nodes))
+    if tp > 1 and replicated and not any(c.axis == "tp" for c in plan.collectives):
+        why = (f"the cost model replicated every weight (sharding costs more in communication than it saves "
+               f"on device {plan.device!r})" if plan.source == "auto" else
+               "this plan replicates every weight and activation")
+        local = plan.input_shapes[0][0] * plan.microbatches if plan.input_shapes and plan.input_shapes[0] else 0
+        instead = f" (or dp={dp * tp}, splitting the batch instead)" if local and local % tp == 0 else ""
+        out.append(f"tp={tp} does no work: {why}, so its {tp} ranks repeat the same computation; "
+                   f"use tp=1{instead} or a device with faster links")
+    return out
+
+
+def fit_warning(plan: Plan, memory_bytes: float, where: str, full_recompute_peak=None,
+                deeper_pipeline=None) -> str | None:
+    """A sentence when the fullest rank's predicted peak exceeds ``memory_bytes`` (``where``: the
+    device or budget it is measured against), None when the plan fits. It says by what factor
+    memory must shrink and what would fit, trying the cheap remedies the caller can price:
+    ``full_recompute_peak()``, the peak with recompute="full" at this mesh (or None), and
+    ``deeper_pipeline()``, ((dp, pp, tp), peak) of a mesh with more pipeline stages that fits (or
+    None). Failing both, it gives the least factor of devices the weights, gradients and optimizer
+    state need (a lower bound: pp and ZeRO divide that state, at best evenly)."""
+    if not plan.memory or memory_bytes <= 0:
+        return None
+    fullest = max(plan.memory, key=lambda m: m.peak)
+    if fullest.peak <= memory_bytes:
+        return None
+    gib = 2**30
+    text = (f"this plan does not fit: its peak is {fullest.peak / gib:.1f} GiB per rank but {where} holds "
+            f"{memory_bytes / gib:.1f} GiB, so memory must shrink {fullest.peak / memory_bytes:.1f}x")
+    if plan.recompute != "full" and full_recompute_peak is not None:
+        peak = full_recompute_peak()
+        if peak is not None and peak <= memory_bytes:
+            return text + f"; recompute='full' fits it (peak {peak / gib:.1f} GiB)"
+        if peak is not None:
+            text += f"; recompute='full' only lowers it to {peak / gib:.1f} GiB"
+    found = deeper_pipeline() if deeper_pipeline is not None else None
+    if found is not None:
+        mesh, peak = found
+        factor = mesh[1] // plan.mesh[1]
+        return text + (f"; mesh dp={mesh[0]} pp={mesh[1]} tp={mesh[2]} ({factor}x the devices) fits, its best "
+                       f"stage cut peaking at {peak / gib:.1f} GiB per rank: `--mesh {','.join(map(str, mesh))}`")
+    # with several microbatches the gradients are held too, as many bytes as the fp32 weights
+    # (params also counts a 16-bit working copy: half their bytes)
+    weights = fullest.params / (1.5 if plan.precision != "fp32" else 1.0)
+    state = fullest.params + fullest.optimizer + max(fullest.grads, weights)
+    if state > memory_bytes:
+        devices = plan.mesh[0] * plan.mesh[1] * plan.mesh[2]
+        need = -(-state // memory_bytes)
+        zero = " or zero=1 over a larger dp for the optimizer state" if not plan.zero else ""
+        return text + (f"; the weights, gradients and optimizer state alone take {state / gib:.1f} GiB per rank, "
+                       f"so the model needs at least {need:.0f}x the devices (more pp{zero}): rank the meshes "
+                       f"of {devices * need:.0f} devices with `--mesh auto --gpus {devices * need:.0f}`")
+    return text + "; use more pp or tp (they divide the weights and activations), or a smaller batch per rank"
+
+
+def _check_placements(plan: Plan) -> None:
+    """Every parameter placement parses and shards a dim its tensor has (PlanFormatError naming it)."""
+    from autopar.placement import check_dim, parse_placement
+
+    for i, p in enumerate(plan.parameters):
+        for axis, text in p.placements.items():
+            try:
+                check_dim(p.shape, parse_placement(text))
+            except ValueError as e:
+                raise PlanFormatError(f"plan.parameters[{i}].placements.{axis} ({p.fqn}): {e}") from None
 
 
 def _close(a, b) -> bool:

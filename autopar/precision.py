@@ -7,8 +7,7 @@ gradient and optimizer state stays fp32:
   the compiled graph at fp32 and ``precision_pass`` casts them there, where Inductor fuses the
   casts into its kernels (on an H200, autopar went from 0.988-0.996x of plain torch.compile's
   speed with eager casts to 1.013-1.029x). With several microbatches, or a pipeline,
-  ``WorkingCopies`` casts each parameter (or floating
-  buffer) once, when the step's first microbatch needs it, and later microbatches use that
+  ``WorkingCopies`` casts each parameter once, when the step's first microbatch needs it, and later microbatches use that
   copy: a cast in the graph would run once per microbatch, and autograd (eager, and
   AOTAutograd's partitioners alike) keeps its 16-bit output for the matmul's backward, so every
   microbatch in flight would hold its own copy of the weights (p copies on the first stage of a
@@ -19,8 +18,9 @@ gradient and optimizer state stays fp32:
   sum of a weight tied across pipeline stages all run in fp32, and any torch optimizer steps
   the fp32 parameters ``ParallelModel.parameters()`` returns.
 
-- Inside the graph (``precision_pass``): floating inputs are cast to the compute dtype where
-  first used; loss ops (cross-entropy and the like) take fp32 inputs, and the graph returns an
+- Inside the graph (``precision_pass``): floating inputs and buffers are cast to the compute dtype
+  where first used, except by the ops that compute tables from buffers (rotary cos/sin), which
+  run at the dtype they were traced at; loss ops (cross-entropy and the like) take fp32 inputs, and the graph returns an
   fp32 loss.
 
 - fp32 reductions. ``autopar.collectives`` sums every all-reduce and reduce-scatter of a 16-bit
@@ -84,11 +84,13 @@ class WorkingCopies:
     Inside ``step()`` each tensor is cast once, when a microbatch first asks for it, and later
     microbatches get the same copy; outside a step, or with grad disabled (a pipeline stage's
     shape inference), every call casts afresh, so a forward-only call after an optimizer step
-    sees the new weights. At fp32 the tensors pass through."""
+    sees the new weights. At fp32 the tensors pass through, and so do tensors not in ``names``
+    (buffers: the graph casts them where they are used, see ``precision_pass``)."""
 
-    def __init__(self, precision: str):
+    def __init__(self, precision: str, names=None):
         # "fp32" runs the model as it is: a model built in another dtype is not cast
         self.dtype = None if precision == "fp32" else compute_dtype(precision)
+        self.names = None if names is None else set(names)
         self._copies: dict[str, torch.Tensor] | None = None
 
     @contextlib.contextmanager
@@ -102,7 +104,7 @@ class WorkingCopies:
 
     def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (named ``name``) at the compute dtype."""
-        if self.dtype is None:
+        if self.dtype is None or (self.names is not None and name not in self.names):
             return tensor
         if self._copies is None or not torch.is_grad_enabled():   # a no-grad copy must not be shared
             return cast(tensor, self.dtype)
@@ -145,8 +147,9 @@ def precision_pass(gm: GraphModule, plan, floats: set[str], stage_of: dict[str, 
         for value in node.all_input_nodes:
             if node.target in LOSS_OPS:
                 cast_before(node, value, torch.float32, (value, node))
-            elif from_input(value) or (value in tables and node not in tables):
-                # one cast per pipeline stage that uses the value (``cast`` leaves non-floats alone)
+            elif node not in tables and (from_input(value) or value in tables):
+                # one cast per pipeline stage that uses the value (``cast`` leaves non-floats alone);
+                # an op computing a table takes its inputs uncast (see ``_tables``)
                 cast_before(node, value, dtype, (value, stage_of.get(origin(node)) if stage_of else None))
     g.lint()
     out.recompile()
@@ -156,7 +159,10 @@ def precision_pass(gm: GraphModule, plan, floats: set[str], stage_of: dict[str, 
 def _tables(graph) -> set[Node]:
     """Values the graph computes from buffers and shapes alone (rotary tables, float masks).
     They were traced at fp32, where their casts to the activations' dtype were no-ops and dropped,
-    so the ops that use them get them cast to the compute dtype."""
+    so the ops that use them get them cast to the compute dtype. The ops computing them run at the
+    dtype they were traced at, on uncast buffers: the model's own upcasts there (Hugging Face's
+    ``inv_freq.float() @ position_ids.float()`` under disabled autocast) were no-ops at fp32 and
+    are missing from the graph, so a 16-bit buffer would meet an fp32 operand."""
     return {n for n in input_free(graph) if n.op == "call_function"}
 
 
@@ -172,10 +178,10 @@ class _Retype(FakeTensorProp):
         self.tables = _tables(gm.graph)
 
     def fetch_args_kwargs_from_env(self, n):
-        def load(a):
+        def load(a):   # inputs and tables reach the ops that compute with them at 16 bits
             v = self.env[a]
-            return cast(v, self.dtype) if a in self.tables and n not in self.tables else v
-        if n.op != "call_function" or n.target in LOSS_OPS:
+            return cast(v, self.dtype) if a in self.tables or a.op == "placeholder" else v
+        if n.op != "call_function" or n.target in LOSS_OPS or n in self.tables:
             return super().fetch_args_kwargs_from_env(n)
         return map_arg(n.args, load), map_arg(n.kwargs, load)
 
@@ -195,9 +201,7 @@ def retype_pass(cap, precision: str):
     placeholders = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
     stored = {n: n.meta["val"] for n in placeholders}
     mode = detect_fake_mode(list(stored.values()))
-    with mode:
-        fake_args = [cast(v, dtype) for v in stored.values()]
-    _Retype(cap.gm, mode, dtype).propagate_dont_convert_inputs(*fake_args)
+    _Retype(cap.gm, mode, dtype).propagate_dont_convert_inputs(*stored.values())
     for n, v in stored.items():
         n.meta["val"] = v
     cap.gm.meta["compute_dtype"] = dtype

@@ -246,7 +246,7 @@ def run_autopar(case: Case, device, mixed: bool, dtype, steps: int, profile: str
     t0 = time.perf_counter()
     pm = autopar.parallelize(model, (1, 1, 1), (idx, tgt), compile=mode or True, device=profile, **kw)
     setup_s = time.perf_counter() - t0
-    # parallelize copies the weights into its own parameters; drop the model's so memory is autopar's alone
+    # parallelize copies the weights into its shards, which replace the model's own (those are freed)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
     gc.collect()

@@ -2,7 +2,8 @@
 
 - Devices (``DeviceSpec``, ``DEVICES``, ``get_device``): peak dense FLOP/s per dtype, HBM
   bandwidth and size, and two network tiers (NVLink inside a node, InfiniBand between nodes),
-  from data-sheet presets or a calibrated JSON profile.
+  from data-sheet presets or a calibrated JSON profile; ``preset_for_gpu`` names the preset for
+  a GPU by its name.
 - Communication (``collective_time``): alpha-beta model of ring collectives. For n ranks and a
   full tensor of B bytes, all-reduce moves 2(n-1)/n * B per rank in 2(n-1) steps; all-gather,
   reduce-scatter and all-to-all move (n-1)/n * B in n-1 steps; time = bytes / bw + steps * alpha.
@@ -16,10 +17,10 @@
 """
 from .comm import axis_is_inter_node, collective_bytes_on_wire, collective_time, summed_bytes
 from .compute import attention_kind, compute_time, node_bytes, node_flops, op_flops
-from .devices import DEVICES, DeviceSpec, get_device
+from .devices import DEVICES, DeviceSpec, get_device, preset_for_gpu
 
 __all__ = [
-    "DeviceSpec", "DEVICES", "get_device",
+    "DeviceSpec", "DEVICES", "get_device", "preset_for_gpu",
     "collective_time", "collective_bytes_on_wire", "axis_is_inter_node", "summed_bytes",
     "op_flops", "node_flops", "node_bytes", "compute_time", "attention_kind",
 ]

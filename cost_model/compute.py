@@ -140,9 +140,11 @@ def _count(target: Any, args: tuple, kwargs: dict, backward: bool = True) -> tup
                 if isinstance(t, torch.Tensor) and _is_float(t.dtype) and t.requires_grad]
         if not outs:
             return (fwd, 0.0)
-        loss = outs[0].sum()
-        for t in outs[1:]:
-            loss = loss + t.sum()
+        # backward needs a real scalar: a complex output (interleaved RoPE) contributes its real part
+        sums = [t.sum().real if t.is_complex() else t.sum() for t in outs]
+        loss = sums[0]
+        for t in sums[1:]:
+            loss = loss + t
         try:
             with FlopCounterMode(display=False) as bwd_counter:
                 loss.backward()

@@ -502,3 +502,20 @@ def get_device(name_or_path: str | os.PathLike | DeviceSpec) -> DeviceSpec:
     hint = " (no such file)" if text.endswith(".json") else ""
     raise ValueError(f"unknown device {text!r}{hint}; presets: {', '.join(DEVICES)}, "
                      f"or pass a path to a JSON profile")
+
+
+# GPU name fragments of each preset's family (data-sheet siblings priced alike); GH200 carries an
+# H100 chip and must be matched before "H200"
+_FAMILIES = (("h100", ("GH200", "H100", "H800")), ("h200", ("H200",)), ("a100", ("A100", "A800")))
+
+
+def preset_for_gpu(name: str, capability: tuple[int, int] = (0, 0)) -> tuple[str, bool]:
+    """The cost-model preset for a GPU named ``name`` (``torch.cuda.get_device_name()``), and whether
+    it is that preset's own kind. An unknown GPU gets the nearest preset by compute capability:
+    Hopper (9.x) prices as "h100", Ampere and Ada (8.x) and older as "a100", anything newer as "h200"."""
+    upper = name.upper()
+    for preset, fragments in _FAMILIES:
+        if any(f in upper for f in fragments):
+            return preset, True
+    major = capability[0]
+    return ("h200" if major >= 10 else "h100" if major == 9 else "a100"), False

@@ -38,7 +38,8 @@ aten = torch.ops.aten
 VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
             aten.permute.default, aten.t.default, aten.split.Tensor, aten.split_with_sizes.default,
             aten.chunk.default, aten.alias.default, aten.expand.default, aten.slice.Tensor,
-            aten.unsqueeze.default, aten.squeeze.dim, aten.detach.default}
+            aten.unsqueeze.default, aten.squeeze.dim, aten.detach.default, aten.select.int, aten.unbind.int,
+            aten.unflatten.int, aten.flatten.using_ints, aten.view_as_complex.default, aten.view_as_real.default}
 
 # op -> what it keeps: ("in", k) input k, ("out",) its output, ("mask",) a bool of the output's
 # shape, ("stats", k) k fp32 numbers per normalised row, ("lse",) fp32 per (batch, head, query)

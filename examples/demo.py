@@ -124,6 +124,7 @@ def train_rank(rank: int, world_size: int, args: dict):
     console = _console() if rank == 0 else None
     torch.manual_seed(0)
     model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())   # parallelize leaves the model only its shards
     idx, targets = make_batch(cfg.vocab_size, args["batch"], seq)
     t0 = time.perf_counter()
     try:
@@ -139,7 +140,6 @@ def train_rank(rank: int, world_size: int, args: dict):
         if args["out"]:
             pm.plan.to_json(args["out"])
             print(f"plan written to {args['out']}")
-        n_params = sum(p.numel() for p in model.parameters())
         print(f"\nmodel: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, vocab "
               f"{cfg.vocab_size}, {n_params / 1e6:.2f} M parameters; batch {args['batch']} x seq {seq}; "
               f"parallelize took {time.perf_counter() - t0:.1f} s; compile={args['compile']!r}")

@@ -14,10 +14,20 @@ biases do; ``_assert_tensor_metadata`` checks and casts that change nothing go; 
 values that depend on no input and no parameter (position ids, the causal mask, rotary
 tables) are recomputed inside every layer that uses them, so the layers stay identical
 and pipeline stages never send them.
+
+Tensors the forward creates from data (``torch.tensor(0.5)``) are lifted by torch.export as
+constant inputs. They are captured as buffers (``kind`` "buffer": replicated, priced and split
+like any buffer), with their values in ``Captured.constants`` for the runtime to feed. A
+Hugging Face forward called without ``use_cache=False`` builds a KV cache from empty constants
+concatenated with each layer's keys and values; those concatenations change nothing and are
+removed (with a warning), so no cache tensor reaches the plan. The forward must return the
+scalar loss: planning refuses anything else here (``require_loss``), before it starts.
 """
 from __future__ import annotations
 
+import functools
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -35,11 +45,23 @@ class Captured:
     params: dict[str, Node]                  # canonical FQN -> placeholder
     aliases: dict[str, list[str]]            # canonical FQN -> other FQNs of the same tensor
     inputs: list[Node]                       # user input placeholders, in call order
-    buffers: dict[str, Node] = field(default_factory=dict)
+    buffers: dict[str, Node] = field(default_factory=dict)   # buffers and lifted constants
     loss: Node | None = None
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)   # a lifted constant's FQN -> value
 
     def param_of(self, node: Node) -> str | None:
         return node.meta.get("fqn") if node.op == "placeholder" and node.meta.get("kind") == "param" else None
+
+    def constant_tensors(self, device) -> dict[str, torch.Tensor]:
+        """The lifted constants' values on ``device``, to feed their placeholders as buffers are fed.
+
+        Raises ValueError for a constant made on the meta device: its value was never computed."""
+        meta = [fqn for fqn, t in self.constants.items() if t.is_meta]
+        if meta:
+            raise ValueError(f"the forward creates the constant tensor(s) {', '.join(meta)} on the meta device, so "
+                             "their values are unknown: build the model on a real device to train it, or create "
+                             "them on the CPU (torch.tensor(..., device='cpu'))")
+        return {fqn: t.to(device) for fqn, t in self.constants.items()}
 
 
 def _module_path(node: Node) -> str:
@@ -51,23 +73,34 @@ def _module_path(node: Node) -> str:
     return path.replace("L['self'].", "").replace("L['self']", "")
 
 
-def capture_pass(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None) -> Captured:
+def capture_pass(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None, *,
+                 require_loss: bool = False) -> Captured:
     """Export ``model(*example_inputs)`` to an FX graph annotated for planning (a long run of
     identical layers is traced as 2 and 3 layers and repeated: ``passes.block_capture``).
 
     ``dynamic_shapes`` (torch.export's) keeps sizes symbolic in ``meta["val"]`` and traces the
-    whole model; the graph is otherwise the static one (``_fold_sizes``)."""
+    whole model; the graph is otherwise the static one (``_fold_sizes``). ``require_loss``: raise
+    ValueError, saying what to return, unless the forward returns one scalar (the training loss)."""
     from autopar.passes.block_capture import canonical_names, capture_repeated
 
+    export = functools.partial(_export, require_loss=require_loss)
     if dynamic_shapes is not None:
-        return canonical_names(_export(model, example_inputs, dynamic_shapes))
-    cap = capture_repeated(model, example_inputs, _export)
-    return cap if cap is not None else canonical_names(_export(model, example_inputs))
+        return canonical_names(export(model, example_inputs, dynamic_shapes))
+    cap = capture_repeated(model, example_inputs, export)
+    return cap if cap is not None else canonical_names(export(model, example_inputs))
 
 
-def _export(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None) -> Captured:
+def _export(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None, *, require_loss=False) -> Captured:
     with torch.no_grad():
-        ep = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=False)
+        try:
+            ep = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=False)
+        except RuntimeError as e:   # an output export cannot flatten, such as a whole Hugging Face output
+            found = re.search(r"Found <class '([\w.]+)'> in output", str(e))
+            if found is None:
+                raise
+            raise ValueError(_LOSS_HINT.format(what=f"an object holding a {found.group(1)}")) from e
+    if require_loss:
+        _check_returns_loss(ep)
     gm = ep.graph_module
     if dynamic_shapes is not None:
         _fold_sizes(gm)
@@ -87,6 +120,7 @@ def _export(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None) 
 
     params: dict[str, Node] = {}
     buffers: dict[str, Node] = {}
+    constants: dict[str, torch.Tensor] = {}
     inputs: list[Node] = []
     for spec in sig.input_specs:
         node = by_name[spec.arg.name]
@@ -98,15 +132,26 @@ def _export(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None) 
                 continue
             node.meta.update(fqn=canon, kind="param")
             params[canon] = node
-        elif spec.kind == InputKind.BUFFER:
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             node.meta.update(fqn=spec.target, kind="buffer")
             buffers[spec.target] = node
+            if spec.kind == InputKind.CONSTANT_TENSOR:
+                constants[spec.target] = ep.constants[spec.target]
         elif spec.kind == InputKind.USER_INPUT:
             node.meta["kind"] = "input"
             inputs.append(node)
         else:
             raise NotImplementedError(f"autopar: unsupported graph input {spec.kind} ({spec.target})")
 
+    if _drop_empty_concats(gm):
+        for fqn in [f for f in constants if not buffers[f].users]:
+            gm.graph.erase_node(buffers.pop(fqn))
+            del constants[fqn]
+        if any(type(m).__module__.startswith("transformers.") for m in model.modules()):
+            warnings.warn("autopar: the Hugging Face model was called without use_cache=False, so its forward "
+                          "builds a KV cache; autopar removed the cache from the graph (the loss and gradients "
+                          "are unchanged), but pass use_cache=False or wrap the model with "
+                          "autopar.hf.causal_lm_loss to trace without it")
     _inline_wrappers(gm)
     for node in gm.graph.nodes:
         node.meta["module_path"] = _module_path(node)
@@ -119,7 +164,61 @@ def _export(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None) 
     gm.recompile()
     out = next(n for n in gm.graph.nodes if n.op == "output")
     loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
-    return Captured(gm, params, {k: v for k, v in aliases.items() if v}, inputs, buffers, loss)
+    return Captured(gm, params, {k: v for k, v in aliases.items() if v}, inputs, buffers, loss, constants)
+
+
+_LOSS_HINT = ("autopar: the model's forward must return the scalar training loss (e.g. `return "
+              "F.cross_entropy(logits.view(-1, V), targets.view(-1))`); it returned {what}; wrap a Hugging "
+              "Face model with autopar.hf.causal_lm_loss")
+
+
+def _check_returns_loss(ep) -> None:
+    """Refuse a forward that returns anything but one one-element tensor: backward starts from
+    the loss, and a training step could not start from logits, a tuple or a dict."""
+    spec = ep.call_spec.out_spec
+    if not spec.is_leaf():
+        keys = getattr(spec, "context", None)
+        what = (f"a {spec.type.__name__} with keys {', '.join(map(repr, keys))}"
+                if isinstance(keys, (list, tuple)) and keys else f"a {spec.type.__name__} of {spec.num_leaves} values")
+        raise ValueError(_LOSS_HINT.format(what=what))
+    out = next(n for n in ep.graph.nodes if n.op == "output").args[0]
+    val = out[-1].meta.get("val") if out and isinstance(out[-1], Node) else None
+    if not isinstance(val, torch.Tensor):
+        raise ValueError(_LOSS_HINT.format(what=f"{type(val).__name__} {val!r}, not a tensor"))
+    if val.numel() != 1:
+        raise ValueError(_LOSS_HINT.format(what=f"a tensor of shape {list(val.shape)}"))
+
+
+def _drop_empty_concats(gm: GraphModule) -> bool:
+    """Remove the empty 1-D tensors from ``cat`` (which skips them), and the nodes that made them;
+    whether any went. A Hugging Face KV cache starts as such tensors, concatenated with each
+    layer's keys and values."""
+    dropped: list[Node] = []
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.cat.default:
+            continue
+        parts = [a for a in node.args[0] if not _empty_1d(a)]
+        if len(parts) == len(node.args[0]) or not parts:
+            continue
+        dropped += [a for a in node.args[0] if a not in parts]
+        if len(parts) == 1:
+            node.replace_all_uses_with(parts[0])
+            gm.graph.erase_node(node)
+        else:
+            node.args = (parts, *node.args[1:])
+    found, erased = bool(dropped), set()
+    while dropped:   # back to the placeholders: the copies and detaches that fed only the cat
+        node = dropped.pop()
+        if node.op == "call_function" and not node.users and node not in erased:
+            dropped += node.all_input_nodes
+            erased.add(node)
+            gm.graph.erase_node(node)
+    return found
+
+
+def _empty_1d(node) -> bool:
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return isinstance(val, torch.Tensor) and tuple(val.shape) == (0,)
 
 
 def _is_size(node) -> bool:

@@ -5,7 +5,9 @@ is an output of every stage in between (passed through), so stage s's outputs ar
 exactly stage s+1's inputs, as torch.distributed.pipelining expects. Nodes that depend
 on the label inputs (inputs the first stage does not use, e.g. ``targets``) form the
 tail: the schedule's ``loss_fn`` on the last stage runs it, so labels never travel
-between stages.
+between stages. Values computed from buffers, constants and shapes alone are never sent
+either: every stage (and the tail) computes the ones it uses (a 0-d constant cannot be
+sent, a boolean mask neither).
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.fx import Graph, GraphModule, Node
+
+from autopar.passes.capture import input_free
 
 
 @dataclass
@@ -61,11 +65,15 @@ def pipeline_split_pass(gm: GraphModule, stage_of: dict[str, int], n_stages: int
     def produced(n: Node) -> int:
         return -1 if _kind(n) == "input" else stage[n]
 
+    free = {n for n in input_free(gm.graph) if n.op == "call_function"}
+    members = {s: _with_free_inputs([n for n in compute if stage[n] == s and n not in free], free, compute)
+               for s in range(TAIL + 1)}
     last_use = {}
-    for n in compute:
-        for a in n.all_input_nodes:
-            if a.op in ("call_function", "get_attr") or (_kind(a) == "input" and a not in labels):
-                last_use[a] = max(last_use.get(a, -1), stage[n])
+    for s, ms in members.items():
+        for n in ms:
+            for a in n.all_input_nodes:
+                if a not in free and (a.op in ("call_function", "get_attr") or (_kind(a) == "input" and a not in labels)):
+                    last_use[a] = max(last_use.get(a, -1), s)
     values = [v for v in nodes if v in last_use]
 
     def live_in(s: int) -> list[Node]:
@@ -79,16 +87,26 @@ def pipeline_split_pass(gm: GraphModule, stage_of: dict[str, int], n_stages: int
                                           "only floating-point activations can be sent between stages")
     graphs, params = [], []
     for s in range(TAIL + 1):
-        members = [n for n in compute if stage[n] == s]
         outs = live_in(s + 1) if s < TAIL else [a for a in out_node.all_input_nodes]
         ins = live_in(s) if s > 0 else [i for i in inputs if i not in labels]
         if s == TAIL:
             ins = ins + labels
-        gm_s, p = _build(gm, members, ins, outs, single_output=s == TAIL)
+        gm_s, p = _build(gm, members[s], ins, outs, single_output=s == TAIL)
         graphs.append(gm_s)
         params.append(p)
     return StageGraphs(graphs[:TAIL], params[:TAIL], graphs[TAIL], params[TAIL],
                        [i.name for i in inputs if i not in labels], [l.name for l in labels])
+
+
+def _with_free_inputs(nodes: list[Node], free: set[Node], order: list[Node]) -> list[Node]:
+    """``nodes`` and the input-free values they use, in graph order."""
+    need, stack = set(nodes), [a for n in nodes for a in n.all_input_nodes if a in free]
+    while stack:
+        a = stack.pop()
+        if a not in need:
+            need.add(a)
+            stack += [b for b in a.all_input_nodes if b in free]
+    return [n for n in order if n in need]
 
 
 def _build(gm: GraphModule, members: list[Node], ins: list[Node], outs: list[Node], single_output: bool):

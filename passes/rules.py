@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch.fx import Node
 
 from autopar.passes.capture import input_free
@@ -66,6 +67,7 @@ class RuleContext:
     size: int
     interleaves: tuple[int, ...] = (1,)
     labels: dict = field(default_factory=dict)   # Node -> tuple of dim labels
+    unruled: set = field(default_factory=set)     # op kinds without a rule, already warned about
     _constants: dict = field(default_factory=dict, repr=False)   # Graph -> its input-free nodes
 
     def constant(self, node: Node) -> bool:
@@ -92,10 +94,12 @@ def shape(node: Node) -> tuple[int, ...]:
 
 
 def is_float(node: Node) -> bool:
+    """Whether ``node``'s value carries a gradient: a real or complex floating tensor (complex
+    rotary products are differentiable like any other activation)."""
     val = node.meta.get("val")
     if isinstance(val, (list, tuple)):
         val = val[0]
-    return isinstance(val, torch.Tensor) and val.is_floating_point()
+    return isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex())
 
 
 RULES: dict[object, Callable[[Node, RuleContext], list[Strategy]]] = {}
@@ -119,11 +123,36 @@ def strategies_for(node: Node, ctx: RuleContext) -> list[Strategy]:
         return replicate_only(node, ctx)
     fn = RULES.get(node.target)
     if fn is None:
-        where = node.meta.get("module_path") or "<top level>"
-        warnings.warn(f"autopar: no sharding rule for {node.target} in {where}; "
-                      "it runs replicated on every tp rank", stacklevel=2)
+        _warn_no_rule(node, ctx)
         return replicate_only(node, ctx)
     return fn(node, ctx)
+
+
+def _warn_no_rule(node: Node, ctx: RuleContext) -> None:
+    """Say once per op kind and planning, from rank 0 only, that an op has no rule and what that costs.
+
+    One line per node (18 for a 2-layer interleaved RoPE) on every rank buries the point; the text
+    depends only on the graph, so planning the same model again in one process repeats nothing."""
+    if node.target in ctx.unruled:
+        return
+    ctx.unruled.add(node.target)
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    same = [n for n in node.graph.nodes if n.op == "call_function" and n.target == node.target
+            and not ctx.constant(n)]
+    gathered = sum(_value_bytes(i) for n in same for i in n.all_input_nodes)
+    where = node.meta.get("module_path") or "<top level>"
+    more = f" (and {len(same) - 1} more node{'s' * (len(same) > 2)})" if len(same) > 1 else ""
+    warnings.warn(f"autopar: no sharding rule for {node.target} in {where}{more}; it runs replicated on every "
+                  f"tp rank: its inputs ({gathered / 2**20:.3g} MiB in all) are gathered whole wherever their "
+                  "producers shard them, and its work is repeated on each rank instead of divided",
+                  stacklevel=3)
+
+
+def _value_bytes(node: Node) -> int:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
 
 
 # ---- elementwise ------------------------------------------------------------------------
@@ -218,8 +247,10 @@ def view_map(src: tuple[int, ...], dst: tuple[int, ...], dim: int, size: int, in
     return None
 
 
-@rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+@rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+      aten.unflatten.int)
 def view(node: Node, ctx: RuleContext) -> list[Strategy]:
+    """A reshape, flatten or unflatten: read off the input's and the output's shapes alone."""
     src, dst = shape(node.args[0]), shape(node)
     out = [Strategy((R,), R), Strategy((P,), P)]
     for d in range(len(src)):
@@ -271,6 +302,27 @@ def unsqueeze(node: Node, ctx: RuleContext) -> list[Strategy]:
     return _permuted(node, ctx, list(range(n - 1)), skip=new)
 
 
+@rule(aten.view_as_complex.default)
+def view_as_complex(node: Node, ctx: RuleContext) -> list[Strategy]:
+    """(..., n, 2) real pairs -> (..., n) complex (interleaved RoPE): the pair dim stays whole."""
+    return _permuted(node, ctx, list(range(len(shape(node)))))
+
+
+@rule(aten.view_as_real.default)
+def view_as_real(node: Node, ctx: RuleContext) -> list[Strategy]:
+    """(..., n) complex -> (..., n, 2) real pairs: a new last dim that no input dim maps to."""
+    n = len(shape(node))
+    return _permuted(node, ctx, list(range(n - 1)), skip=n - 1)
+
+
+@rule(aten.select.int)
+def select(node: Node, ctx: RuleContext) -> list[Strategy]:
+    """One index of one dim (``x[..., 0]`` of a rotary pair): the other dims keep their shards."""
+    n = len(shape(node.args[0]))
+    dim = node.args[1] % n
+    return _permuted(node, ctx, [d for d in range(n) if d != dim])
+
+
 @rule(aten.expand.default)
 def expand(node: Node, ctx: RuleContext) -> list[Strategy]:
     """Input dims align right with the output's; a dim that is broadcast (1 -> n) stays whole."""
@@ -294,6 +346,22 @@ def cat(node: Node, ctx: RuleContext) -> list[Strategy]:
         if d != dim and ctx.shardable(node, d, exact=False):
             res += [Strategy(tuple(Shard(d, k) for _ in ins), Shard(d, k)) for k in ctx.interleaves
                     if out[d] % k == 0]
+    return res
+
+
+@rule(aten.stack.default)
+def stack(node: Node, ctx: RuleContext) -> list[Strategy]:
+    """Equal-shaped tensors stacked along a new dim: the other dims may be sharded alike in all
+    inputs; a sum of per-rank stacks is the stack of the sums."""
+    ins = node.all_input_nodes
+    out = shape(node)
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(out)
+    res = [Strategy(tuple(R for _ in ins), R), Strategy(tuple(P for _ in ins), P)]
+    for e in range(len(out)):
+        if e != dim and ctx.shardable(node, e, exact=False):
+            d = e - (e > dim)
+            res += [Strategy(tuple(Shard(d, k) for _ in ins), Shard(e, k)) for k in ctx.interleaves
+                    if out[e] % k == 0]
     return res
 
 
@@ -322,6 +390,19 @@ def split(node: Node, ctx: RuleContext) -> list[Strategy]:
             # each rank holds its slice of every piece, so the pieces split locally
             if (src[d] // len(pieces)) % ctx.size == 0:
                 out.append(Strategy((Shard(d, len(pieces)),), Shard(d)))
+    return out
+
+
+@rule(aten.unbind.int)
+def unbind(node: Node, ctx: RuleContext) -> list[Strategy]:
+    """The slices of one dim as separate tensors (``x1, x2 = pairs.unbind(-1)``): every other
+    dim keeps its shard, and a partial input gives partial pieces."""
+    src = shape(node.args[0])
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(src)
+    out = [Strategy((R,), R), Strategy((P,), P)]
+    for d in range(len(src)):
+        if d != dim and ctx.shardable(node.args[0], d, exact=False):
+            out += [Strategy((Shard(d, k),), Shard(d - (d > dim), k)) for k in ctx.interleaves if src[d] % k == 0]
     return out
 
 
@@ -506,7 +587,8 @@ def _label(node: Node, labels: dict) -> tuple[str, ...]:
         return ("seq",) * len(out)
     if tgt == aten.embedding.default:
         return labels.get(node.args[1], ()) + ("other",)
-    if tgt in (aten.view.default, aten.reshape.default, aten._unsafe_view.default) and lab:
+    if tgt in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+               aten.unflatten.int) and lab:
         res = ["other"] * len(out)
         for gi, gj in view_groups(shape(src), out):
             names = {lab[i] for i in gi}
@@ -531,6 +613,17 @@ def _label(node: Node, labels: dict) -> tuple[str, ...]:
         return lab[:-1] + ("other",)
     if tgt in (aten.matmul.default, aten.bmm.default) and lab:
         return lab[:-1] + labels.get(node.args[1], ("other",))[-1:]
+    if tgt == aten.view_as_complex.default and lab:
+        return lab[:-1]
+    if tgt == aten.view_as_real.default and lab:
+        return lab + ("other",)
+    if tgt in (aten.select.int, aten.unbind.int) and lab:
+        dim = (node.args[1] if len(node.args) > 1 else 0) % len(lab)
+        return lab[:dim] + lab[dim + 1:]
+    if tgt == aten.stack.default and labels.get(node.args[0][0]):
+        first = labels[node.args[0][0]]
+        dim = (node.args[1] if len(node.args) > 1 else 0) % len(out)
+        return first[:dim] + ("other",) + first[dim:]
     if tgt == operator.getitem:
         return lab
     if tgt == aten.scaled_dot_product_attention.default:

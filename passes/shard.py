@@ -117,6 +117,10 @@ def _localize(node: Node, s: Strategy, args, kwargs, me: _Rank):
         # export drops a .contiguous() that was a no-op at trace time; a shard's kernels may lay
         # out their outputs differently, so a view may not apply where reshape (a copy then) does
         target = aten.reshape.default if target is aten.view.default else target
+    elif target is aten.unflatten.int:   # the sizes a dim splits into are global ones, (n_heads, head_dim)
+        args = list(args)
+        dim = args[1] % len(shape(node.args[0]))
+        args[2] = list(local_shape(shape(node), s.output, me.size)[dim:dim + len(args[2])])
     elif target in _SPLITS and isinstance(s.output, Shard):
         dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % len(shape(node.args[0]))
         if s.output.dim == dim:

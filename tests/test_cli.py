@@ -82,3 +82,21 @@ def test_plan_a_user_module_with_html(tmp_path):
     assert "predicted MFU" in r.stdout and html.read_text().startswith("<!DOCTYPE html>")
     r = _autopar("plan", f"{src}:missing", "--mesh", "1,1,4")
     assert r.returncode == 2 and "has no function 'missing'" in r.stderr
+
+
+def test_plan_a_factory_that_builds_on_the_cpu(tmp_path):
+    """A factory that picks the CPU itself is planned as if built on meta, its tied weights still tied."""
+    src = tmp_path / "cpumodel.py"
+    src.write_text("import torch\n"
+                   "from autopar.examples.gpt import GPT, GPTConfig\n"
+                   "def make():\n"
+                   "    with torch.device('cpu'):\n"
+                   "        return GPT(GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_embd=32))\n")
+    out = tmp_path / "plan.json"
+    r = _autopar("plan", f"{src}:make", "--mesh", "1,1,2", "--batch", "4", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+
+    from autopar import Plan
+    [head] = [p for p in Plan.from_json(out).parameters if "lm_head.weight" in (p.fqn, *p.aliases)]
+    assert {head.fqn, *head.aliases} == {"lm_head.weight", "transformer.wte.weight"}

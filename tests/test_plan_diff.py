@@ -17,13 +17,19 @@ def model_and_inputs():
     return model, example_inputs(model.config, 8, 2048, device="meta")
 
 
-def test_auto_against_megatron_reports_no_difference(model_and_inputs, tmp_path):
+def test_auto_against_megatron_differs_only_at_the_position_table(model_and_inputs, tmp_path):
+    """The automatic plan is Megatron's but for the batch-independent position table, a tie that the
+    update's price decides (tests/test_plan_structure.py); a plan planned twice diffs as equal."""
     model, x = model_and_inputs
     auto = autopar.plan(model, (1, 1, 8), x, sequence_parallel=True)
     megatron = autopar.plan(model, (1, 1, 8), x, sequence_parallel=True, plan="megatron")
-    assert auto.diff(megatron) == "no differences"
-    auto.to_json(tmp_path / "a.json")
-    megatron.to_json(tmp_path / "b.json")
+    lines = auto.diff(megatron).splitlines()
+    decisions = [line for line in lines if not line.startswith(("memory of stage", "predicted step time"))]
+    assert decisions and all("transformer.wpe" in line for line in decisions), lines
+    again = autopar.plan(model, (1, 1, 8), x, sequence_parallel=True, plan="megatron")
+    assert megatron.diff(again) == "no differences"
+    megatron.to_json(tmp_path / "a.json")
+    again.to_json(tmp_path / "b.json")
     r = subprocess.run([sys.executable, "-m", "autopar", "diff", str(tmp_path / "a.json"), str(tmp_path / "b.json")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "no differences", r

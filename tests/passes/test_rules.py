@@ -131,6 +131,8 @@ def _gen_input(case_target, k, node_inputs, val, g: torch.Generator, target_node
     if isinstance(val, (list, tuple)):
         return [_gen_input(case_target, k, node_inputs, v, g, target_node) for v in val]
     shape, dtype = tuple(val.shape), val.dtype
+    if dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=dtype)
     if dtype.is_floating_point:
         if case_target in (aten.div.Tensor, aten.rsqrt.default, aten.pow.Tensor_Scalar):
             return (torch.rand(shape, generator=g) + 0.5).to(dtype)
@@ -154,11 +156,24 @@ def _summands(full, size: int, g: torch.Generator):
     if isinstance(full, list):
         per = [_summands(t, size, g) for t in full]
         return [[p[r] for p in per] for r in range(size)]
-    if full.dtype.is_floating_point:
+    if full.dtype.is_complex:
+        parts = [torch.randn(full.shape, generator=g, dtype=full.dtype) for _ in range(size - 1)]
+    elif full.dtype.is_floating_point:
         parts = [torch.randn(full.shape, generator=g).to(full.dtype) for _ in range(size - 1)]
     else:
         parts = [torch.randint(-5, 6, full.shape, generator=g, dtype=full.dtype) for _ in range(size - 1)]
     return parts + [full - sum(parts, torch.zeros_like(full))]
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _dot(o: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """The real loss <o, c> whose gradient the backward checks compare (complex: as pairs of reals)."""
+    if o.is_complex():
+        return (torch.view_as_real(o) * torch.view_as_real(c)).sum()
+    return (o * c).sum()
 
 
 def _reference_outputs(case: Case, inputs):
@@ -183,7 +198,7 @@ def make_case(cid: str, node: Node, strategy: Strategy, size: int, seed: int,
                      if isinstance(p, Partial)}
     with torch.no_grad():
         outs = _reference_outputs(case, inputs)
-    case.cot = [torch.randn(o.shape, generator=g).to(o.dtype) if o.is_floating_point() else None for o in outs]
+    case.cot = [_gen_input(None, 0, [], o, g, node) if _differentiable(o) else None for o in outs]
     return case
 
 
@@ -393,7 +408,7 @@ def _local_input(case: Case, k: int, size: int, rank: int):
 def _leaves(t):
     if isinstance(t, list):
         return [_leaves(x) for x in t]
-    return t.detach().clone().requires_grad_(t.is_floating_point())
+    return t.detach().clone().requires_grad_(_differentiable(t))
 
 
 def _grads(inputs):
@@ -417,7 +432,7 @@ def run_case(case: Case, size: int, rank: int, group: str) -> dict:
     res = local(*inputs)
     outs, pre = list(res[:len(outs)]), list(res[len(outs):])
     result = {"out": [o.detach() for o in outs], "local": [v.detach() for v in pre], "grads": None}
-    terms = [(o * c).sum() for o, c in zip(outs, case.cot)
+    terms = [_dot(o, c) for o, c in zip(outs, case.cot)
              if c is not None and o.requires_grad and o.shape == c.shape]
     if any(c is not None and o.shape != c.shape for o, c in zip(outs, case.cot)):
         result["bwd_error"] = "output shape differs from the unsharded op's; backward skipped"
@@ -457,6 +472,9 @@ def _ratio(a: torch.Tensor, b: torch.Tensor, mask=None) -> tuple[float, float]:
     result happens to cancel to ~0; atol is scaled by the tensor's magnitude for that."""
     if tuple(a.shape) != tuple(b.shape):
         return float("inf"), float("inf")
+    if b.is_complex():   # compare real and imaginary parts alike
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+        mask = mask if mask is None else mask.unsqueeze(-1).expand(b.shape)
     a, b = a.double(), b.double()
     diff = torch.where(a == b, torch.zeros_like(a), (a - b).abs())   # equal infinities (masked scores) agree
     b = torch.where(torch.isinf(b), torch.zeros_like(b), b)
@@ -474,7 +492,7 @@ def _ratio(a: torch.Tensor, b: torch.Tensor, mask=None) -> tuple[float, float]:
 def _reference(case: Case):
     inputs = [_leaves(t) for t in case.inputs]
     outs = _reference_outputs(case, inputs)
-    terms = [(o * c).sum() for o, c in zip(outs, case.cot) if c is not None and o.requires_grad]
+    terms = [_dot(o, c) for o, c in zip(outs, case.cot) if c is not None and o.requires_grad]
     if terms:
         sum(terms).backward()
     grads = _grads(inputs)
@@ -483,7 +501,7 @@ def _reference(case: Case):
 
 def _check_grad(name, p, full_grad, leaf, rank_grads, size, errs):
     """Each rank's gradient of one input against the unsharded gradient, per its placement."""
-    if not leaf.is_floating_point():
+    if not _differentiable(leaf):
         return
     ref = full_grad if full_grad is not None else torch.zeros_like(leaf)
     for r, gr in enumerate(rank_grads):
@@ -702,3 +720,54 @@ def test_op_without_rule_warns_and_replicates():
         options = enumerate_strategies(cap, 2, "auto")
     node = next(n for n in cap.gm.graph.nodes if n.target is aten.cumsum.default)
     assert options[node] == [Strategy((R,), R)]
+
+
+# ---- interleaved-pair RoPE (Meta's Llama): complex, stack and unbind spellings ------------------
+
+class _Rope(nn.Module):
+    """The ops of rotary embedding over (even, odd) feature pairs, as torch.export spells them:
+    view_as_complex / complex mul / view_as_real / flatten, the real form's select and stack,
+    and the unflatten / unbind way of taking the pairs apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(32, 32))
+        angles = torch.outer(torch.arange(SEQ).float(), torch.rand(4))                  # (T, hd/2)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles))  # complex
+
+    def forward(self, x, y):                                               # (B, T, 32) each
+        q = F.linear(x, self.w).view(BATCH, SEQ, 4, 8)                     # (B, T, H, hd)
+        c = torch.view_as_complex(q.reshape(BATCH, SEQ, 4, 4, 2))          # (B, T, H, hd/2) complex
+        rot = torch.view_as_real(c * self.freqs_cis.view(1, SEQ, 1, 4)).flatten(3)   # (B, T, H, hd)
+        other = torch.view_as_complex(y.unflatten(-1, (4, 4, 2)))          # (B, T, H, hd/2) complex
+        mixed = torch.view_as_real(c * other)                              # (B, T, H, hd/2, 2)
+        pairs = q.unflatten(-1, (-1, 2))                                   # (B, T, H, hd/2, 2)
+        x1, x2 = pairs[..., 0], pairs[..., 1]                              # (B, T, H, hd/2)
+        e1, e2 = pairs.unbind(-1)
+        last = torch.stack((x1 * e2 - x2, x1 + e1), -1).flatten(-2)        # (B, T, H, hd)
+        middle = torch.stack((x1, x2), 1)                                  # (B, 2, T, H, hd/2)
+        head = q.select(2, 1)                                              # (B, T, hd)
+        return rot.sum() + mixed.sum() + last.sum() + middle.sum() + head.sum()
+
+
+def _rope() -> Captured:
+    torch.manual_seed(0)
+    return capture_pass(_Rope(), (torch.randn(BATCH, SEQ, 32), torch.randn(BATCH, SEQ, 32)))
+
+
+SOURCES["rope"] = _rope
+
+
+def test_rope_ops_have_sharded_strategies():
+    """Every op of the interleaved RoPE forms has a rule, and it offers sharded strategies."""
+    cap = _captured("rope")
+    rope_ops = {aten.view_as_complex.default, aten.view_as_real.default, aten.flatten.using_ints,
+                aten.unflatten.int, aten.select.int, aten.unbind.int, aten.stack.default}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        options = enumerate_strategies(cap, 2, "auto")
+    assert not [str(w.message) for w in caught if any(str(t) in str(w.message) for t in rope_ops)]
+    nodes = [n for n in cap.gm.graph.nodes if n.target in rope_ops]
+    assert {n.target for n in nodes} == rope_ops
+    for n in nodes:
+        assert any(isinstance(s.output, Shard) for s in options[n]), (n.name, [str(s) for s in options[n]])
