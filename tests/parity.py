@@ -26,9 +26,9 @@ def reference(cfg: GPTConfig = TINY, steps: int = 0, lr: float = 1e-3, batch: in
     return loss.item(), grads, curve
 
 
-def train_curve(model, idx, tgt, steps: int, lr: float) -> list[float]:
-    """The losses of ``steps`` AdamW steps of the unsharded ``model`` on one batch."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+def train_curve(model, idx, tgt, steps: int, lr: float, optimizer=torch.optim.AdamW) -> list[float]:
+    """The losses of ``steps`` steps of ``optimizer`` (AdamW) on the unsharded ``model``, one batch."""
+    opt = optimizer(model.parameters(), lr=lr)
     curve = []
     for _ in range(steps):
         opt.zero_grad()

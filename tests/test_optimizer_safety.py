@@ -14,7 +14,7 @@ import torch.optim.optimizer as optimizer_module
 import autopar
 from autopar.examples.gpt import example_inputs
 from autopar.launch import spawn
-from parity import BATCH, SEQ, TINY, make_model
+from parity import BATCH, SEQ, TINY, make_model, train_curve
 
 STEPS = 3
 LR = {torch.optim.SGD: 0.2, torch.optim.AdamW: 1e-2}
@@ -116,17 +116,7 @@ def _extras(rank, world):
 
 
 def _reference_curve(cls) -> list[float]:
-    model = make_model()
-    opt = cls(model.parameters(), lr=LR[cls])
-    idx, tgt = example_inputs(TINY, BATCH, SEQ)
-    curve = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = model(idx, tgt)
-        loss.backward()
-        opt.step()
-        curve.append(loss.item())
-    return curve
+    return train_curve(make_model(), *example_inputs(TINY, BATCH, SEQ), STEPS, LR[cls], optimizer=cls)
 
 
 @pytest.fixture(scope="module")
