@@ -183,10 +183,13 @@ def solve(cap: Captured, options: dict[Node, list[Strategy]], tp: int, dev, *,
         if c.op == "call_function":
             for slot, p in enumerate(c.all_input_nodes):
                 fan_out.setdefault(p, []).append((c, slot))
-    shared_at = {p for p, outs in fan_out.items()
-                 if len(outs) > 1 and not isinstance(p.meta.get("val"), (list, tuple))}
-    uses = Counter((rep[p], rep[c], slot) for p, outs in fan_out.items() if p not in shared_at for c, slot in outs)
-    masked = {(rep[p], rep[c], slot) for p in shared_at for c, slot in fan_out[p]}
+    # lists and dicts in graph order, never sets of Nodes: a set iterates in address order, which
+    # changes from run to run, and so would the solver's choice between equally priced plans
+    shared_at = [p for p, outs in fan_out.items()
+                 if len(outs) > 1 and not isinstance(p.meta.get("val"), (list, tuple))]
+    shared_set = set(shared_at)
+    uses = Counter((rep[p], rep[c], slot) for p, outs in fan_out.items() if p not in shared_set for c, slot in outs)
+    masked = dict.fromkeys((rep[p], rep[c], slot) for p in shared_at for c, slot in fan_out[p])
     groups = Counter((rep[p], tuple((rep[c], slot) for c, slot in fan_out[p])) for p in shared_at)
 
     node_costs = [mult[n] * np.array([_strategy_time(n, s, tp, dev, inter_node)
@@ -199,7 +202,7 @@ def solve(cap: Captured, options: dict[Node, list[Strategy]], tp: int, dev, *,
     edges = [(ids[p], ids[c], k * _edge_matrix(p, c, slot, options, tp, dev, inter_node))
              for (p, c, slot), k in uses.items()]
     edges += [(ids[p], ids[c], np.where(np.isinf(_edge_matrix(p, c, slot, options, tp, dev, inter_node)), np.inf, 0.0))
-              for p, c, slot in masked - set(uses)]
+              for p, c, slot in masked if (p, c, slot) not in uses]
     shared = [_shared_group(p, members, k, ids, options, tp, dev, inter_node) for (p, members), k in groups.items()]
     t0 = time.perf_counter()
     sol = solve_strategies(node_costs, edges, node_memory=memory, memory_budget=memory_budget, shared=shared)
