@@ -353,6 +353,16 @@ def _with_stages(result: Plan, cap, strategies, mesh, dev, *, schedule, virtual,
                                predicted_comm_s=dp_sync_time(rank_params, mesh, dev, zero, gpus_per_node))
 
 
+def rebuild(model, plan: Plan, example_inputs, *, sequence_parallel="auto") -> tuple[Captured, dict]:
+    """The capture and the strategy per node that a decided ``plan`` names, pricing nothing: what
+    a rank needs to build its program from the plan rank 0 broadcast."""
+    mesh = Mesh(*plan.mesh)
+    cap = capture_pass(model, _local_inputs(example_inputs, mesh, plan.microbatches), require_loss=True)
+    cap = retype_pass(cap, plan.precision)   # the rewrite reads the compute dtype the plan was made at
+    options = enumerate_strategies(cap, mesh.tp, sequence_parallel)
+    return cap, strategies_from_plan(cap, options, plan)
+
+
 def plan(model, mesh, example_inputs, *, device="h100", gpus_per_node=8, world_size=None, **knobs) -> Plan:
     """Plan offline: no process group, no GPU; ``model`` may live on the meta device.
 
@@ -429,17 +439,25 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
                  schedule=schedule, microbatches=microbatches, zero=zero, device=device or default_device(),
                  gpus_per_node=gpus_per_node or default_gpus_per_node(),
                  stages=stages, virtual_stages=virtual_stages, precision=precision)
-    box = [None]
+    # rank 0 plans once; the others capture the same graph and take its strategies from the plan,
+    # pricing nothing (they would only repeat rank 0's figures and its capture warnings)
+    box, decided = [None], None
     if dist.get_rank() == 0:
         try:
-            box[0] = decide(model, mesh, example_inputs, plan=plan, world_size=world, **knobs)[2].to_json()
+            decided = decide(model, mesh, example_inputs, plan=plan, world_size=world, **knobs)
+            box[0] = decided[2].to_json()
         except Exception as e:   # every rank must learn of the failure, not hang in the broadcast
             box[0] = e
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], Exception):
         raise box[0]
     the_plan = Plan.from_json(box[0])
+    if decided is not None:
+        cap, strategies = decided[0], decided[1]
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cap, strategies = rebuild(model, the_plan, example_inputs, sequence_parallel=sequence_parallel)
     mesh_ = Mesh(*the_plan.mesh)
-    cap, strategies, the_plan = decide(model, mesh_, example_inputs, plan=the_plan, **knobs)
     dmesh = device_mesh(mesh_, default_device_type())
     return ParallelModel(model, cap, strategies, the_plan, mesh_, dmesh, compile=compile, loss_kernel=loss_kernel)
