@@ -12,14 +12,17 @@ import torch
 import torch.distributed as dist
 
 from autopar.cost_model import get_device, preset_for_gpu
+from autopar.cost_model.stages import OP_OVERHEAD, SCHEDULES, rank_param_bytes, unit_costs
+from autopar.cost_model.step import dp_sync_time, param_byte_time, plan_update_time, rank_update_time, step_time
 from autopar.megatron import megatron_options
 from autopar.mesh import Mesh, default_device_type, device_mesh
 from autopar.passes.capture import Captured, capture_pass
 from autopar.plans import Plan, edited_source
-from autopar.planner import (Assignment, PlanError, build_plan, check_tp, enumerate_strategies, param_byte_time,
-                             solve, strategies_from_plan, with_regather)
+from autopar.planner import (Assignment, PlanError, build_plan, check_tp, enumerate_strategies, solve,
+                             strategies_from_plan, with_regather)
 from autopar.placement import Shard
-from autopar.precision import compute_dtype, retype_pass, working_copy_ratio
+from autopar.passes.precision import retyped
+from autopar.precision import compute_dtype, working_copy_ratio
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -36,7 +39,6 @@ def parse_bytes(value) -> float | None:
 
 
 def _check_knobs(mesh: Mesh, recompute, schedule, zero, sequence_parallel):
-    from autopar.pipeline import SCHEDULES
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
     if recompute not in ("none", "selective", "full", "auto"):
@@ -105,20 +107,28 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
             captures[key] = capture_pass(model, inputs, require_loss=True)
         return captures[key]
 
-    if isinstance(mesh, str) and mesh == "auto":
-        mesh, microbatches, notes = _auto_mesh(model, example_inputs, world_size, device=device, capture=capture,
-                                               gpus_per_node=gpus_per_node, schedule=schedule, zero=zero,
-                                               sequence_parallel=sequence_parallel, precision=precision,
-                                               memory_budget=parse_bytes(memory_budget))
-    mesh = Mesh.parse(mesh)
-    _check_knobs(mesh, recompute, schedule, zero, sequence_parallel)
     knobs = dict(plan=plan, sequence_parallel=sequence_parallel, memory_budget=memory_budget,
                  schedule=schedule, zero=zero, device=device, gpus_per_node=gpus_per_node, stages=stages,
                  virtual_stages=virtual_stages, recompute=recompute, precision=precision, capture=capture)
+    planned: dict = {}
+    if isinstance(mesh, str) and mesh == "auto":
+        def price(candidate: Mesh, m: int) -> Plan:   # the candidate's plan, as it is made below
+            _check_knobs(candidate, recompute, schedule, zero, sequence_parallel)
+            planned[(candidate, m)] = _decide(model, candidate, example_inputs, microbatches=m, **knobs)
+            return planned[(candidate, m)][2]
+
+        budget = parse_bytes(memory_budget)
+        mesh, microbatches, notes = _auto_mesh(example_inputs, world_size, price=price, capture=capture,
+                                               gpus_per_node=gpus_per_node,
+                                               memory_budget=get_device(device).memory_bytes if budget is None
+                                               else budget)
+    mesh = Mesh.parse(mesh)
+    _check_knobs(mesh, recompute, schedule, zero, sequence_parallel)
     options = _microbatch_options(mesh, example_inputs[0].shape[0], schedule, microbatches)
     if isinstance(plan, Plan):
         options = [plan.microbatches]
-    cap, strategies, best = _decide(model, mesh, example_inputs, microbatches=max(options), **knobs)
+    cap, strategies, best = (planned.get((mesh, max(options)))
+                             or _decide(model, mesh, example_inputs, microbatches=max(options), **knobs))
     if len(options) > 1:
         m = _best_microbatches(cap, strategies, best, mesh, options, knobs)
         if m != best.microbatches:
@@ -131,42 +141,62 @@ def _best_microbatches(cap, strategies, planned: Plan, mesh: Mesh, options: list
 
     Per-unit compute, activations and point-to-point bytes scale with the microbatch size; the
     per-op launch overhead does not. Counts whose stages cannot fit the memory budget are skipped."""
-    from autopar.pipeline import OP_OVERHEAD, layer_units, unit_costs
+    from autopar.memory_plan import regions_for
+    from autopar.pipeline import layer_units
     from autopar.stage_dp import cut_stages
 
     dev = get_device(knobs["device"])
     units = layer_units(cap)
-    time, static, act, boundary = unit_costs(cap, strategies, units, mesh, dev, zero=knobs["zero"],
-                                             gpus_per_node=knobs["gpus_per_node"])
+    recompute = knobs["recompute"]
+    # the activations each cut is priced with, as _with_stages tries them
+    modes = ["none", "full"] if recompute == "auto" else [recompute]
+    acts = []
+    for mode in modes:
+        time, static, act, boundary = unit_costs(cap, strategies, units, mesh, dev, zero=knobs["zero"],
+                                                 gpus_per_node=knobs["gpus_per_node"],
+                                                 working_copy=working_copy_ratio(cap), regions=regions_for(cap, mode))
+        acts.append(act)
     overhead = OP_OVERHEAD * np.array([len(u.nodes) for u in units])
     budget = parse_bytes(knobs["memory_budget"])
     budget = dev.memory_bytes if budget is None else budget
-    best, best_time = planned.microbatches, planned.predicted_step_time
+    zero, gpus_per_node, working_copy = knobs["zero"], knobs["gpus_per_node"], working_copy_ratio(cap)
+    best, best_time = planned.microbatches, float("inf")
     for m in options:
         grow = planned.microbatches / m   # how much larger each microbatch is
-        try:
-            cut = cut_stages((time - overhead) * grow + overhead, static, act * grow, boundary * grow, p=mesh.pp, m=m,
-                             v=_virtual(knobs["schedule"], knobs["virtual_stages"]), schedule=knobs["schedule"],
-                             memory_budget=budget)
-        except ValueError:
+        cut = None
+        for act in acts:
+            try:
+                cut = cut_stages((time - overhead) * grow + overhead, static, act * grow, boundary * grow, p=mesh.pp,
+                                 m=m, v=_virtual(knobs["schedule"], knobs["virtual_stages"]),
+                                 schedule=knobs["schedule"], memory_budget=budget)
+                break
+            except ValueError:
+                continue
+        if cut is None:
             continue
-        if cut.step_time < best_time:
-            best, best_time = m, cut.step_time
+        # the cut decides which parameters the busiest rank syncs and updates
+        params = rank_param_bytes(static, cut.bounds, mesh, zero, working_copy)
+        seconds = step_time(cut.step_time, [dp_sync_time(params, mesh, dev, zero, gpus_per_node)],
+                            rank_update_time(params, mesh, dev, zero, working_copy > 0))
+        if seconds < best_time:
+            best, best_time = m, seconds
     return best
 
 
-def _auto_mesh(model, example_inputs, world_size, **kw):
+def _auto_mesh(example_inputs, world_size, **kw):
     """The fastest (dp, pp, tp) that fits, its microbatch count, and the ranking as plan notes."""
     from autopar.mesh_search import rank_meshes, ranking_table
 
     if not world_size:
         raise ValueError('mesh="auto" needs the number of devices: pass world_size= (the CLI\'s --gpus)')
-    options = rank_meshes(model, world_size, example_inputs, **kw)
+    options = rank_meshes(world_size, example_inputs, **kw)
     table = ranking_table(options)
     best = options[0]
     if not best.fits:
-        raise PlanError(f"no mesh of {world_size} devices fits in memory; the closest needs "
-                        f"{best.peak_memory / 2**30:.1f} GiB per device:\n{table}")
+        closest = min(options, key=lambda o: o.peak_memory)
+        need = (f"the closest, {closest.mesh}, needs {closest.peak_memory / 2**30:.1f} GiB per device"
+                if np.isfinite(closest.peak_memory) else f"for {closest.mesh}: {closest.reason}")
+        raise PlanError(f"no mesh of {world_size} devices fits in memory; {need}:\n{table}")
     note = f"mesh chosen automatically among {len(options)} candidates for {world_size} devices:\n{table}"
     return best.mesh, best.microbatches, (note,)
 
@@ -178,14 +208,14 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
     dev = get_device(device)
     cap = capture(_local_inputs(example_inputs, mesh, m))
     check_tp(cap, mesh.tp)
-    options = enumerate_strategies(cap, mesh.tp, sequence_parallel)
     if isinstance(plan, str) and plan not in ("auto", "megatron"):
         if not plan.lstrip().startswith("{") and not Path(plan).exists():
             raise ValueError(f"plan={plan!r}: expected 'auto', 'megatron', a Plan or a plan JSON path")
         plan = Plan.from_json(plan)
     given = plan if isinstance(plan, Plan) else None
     precision = given.precision if given is not None else precision
-    retype_pass(cap, precision)   # price compute, activations and collectives at the compute dtype
+    cap = retyped(cap, precision)   # price compute, activations and collectives at the compute dtype
+    options = enumerate_strategies(cap, mesh.tp, sequence_parallel)   # on the retyped graph's nodes
     regions = None
     if given is not None:   # run as written: re-derive its collectives, times and memory from its choices
         if tuple(given.mesh) != (mesh.dp, mesh.pp, mesh.tp):
@@ -216,7 +246,8 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
                             source=plan, gpus_per_node=gpus_per_node)
         if mesh.pp > 1:
             result = _with_stages(result, cap, assignment.strategies, mesh, dev, schedule=schedule, virtual=v,
-                                  zero=zero, gpus_per_node=gpus_per_node, memory_budget=budget, stages=stages)
+                                  zero=zero, gpus_per_node=gpus_per_node, memory_budget=budget, stages=stages,
+                                  recompute=recompute, regions=regions)
         return _with_memory(result, cap, assignment.strategies, mesh, dev, recompute=recompute, budget=budget,
                             zero=zero, regions=regions)
 
@@ -248,7 +279,7 @@ def _warnings(result: Plan, cap, strategies, mesh, dev, budget, gpus_per_node: i
     def deeper_pipeline():
         """The least pp, doubling this one (dp and tp kept, one sequence per microbatch), whose best
         stage cut fits: the check the planner makes at that pp, on this capture's unit costs."""
-        from autopar.pipeline import layer_units, unit_costs
+        from autopar.pipeline import layer_units
         from autopar.stage_dp import min_peak_memory
 
         try:
@@ -260,7 +291,9 @@ def _warnings(result: Plan, cap, strategies, mesh, dev, budget, gpus_per_node: i
         pp = 2 * mesh.pp
         # a unit's bytes do not depend on pp (only the cut and the microbatches in flight do): price them once
         time, static, act, boundary = unit_costs(cap, strategies, units, Mesh(mesh.dp, pp, mesh.tp), dev,
-                                                 zero=result.zero, gpus_per_node=gpus_per_node)
+                                                 zero=result.zero, gpus_per_node=gpus_per_node,
+                                                 working_copy=working_copy_ratio(cap),
+                                                 regions=_regions_from_plan(cap, result))
         while pp * result.virtual_stages <= len(units) and pp <= local:
             if local % pp == 0:
                 peak, _ = min_peak_memory(time / size, static, act / size, boundary / size, p=pp, m=local,
@@ -275,22 +308,11 @@ def _warnings(result: Plan, cap, strategies, mesh, dev, budget, gpus_per_node: i
     return tuple(axis_warnings(result)) + ((fit,) if fit else ())
 
 
-def plan_update_time(plan: Plan, dev) -> float:
-    """``update_time`` of the pipeline rank holding the most parameters (read off its stages'
-    AdamW state: two fp32 moments per fp32 parameter, 1/dp of them under ZeRO-1)."""
-    from autopar.cost_model.compute import update_time
-    dp, pp = plan.mesh[0], plan.mesh[1]
-    shards = dp if plan.zero else 1
-    per_rank = [sum(m.optimizer for m in plan.memory if m.stage % pp == r) * shards / 2 for r in range(pp)]
-    return update_time(max(per_rank, default=0.0), dev, working_copy=plan.precision != "fp32",
-                       optimizer_shards=shards)
-
-
 def _over(make_plan, budget: float) -> bool:
     """Whether the plan ``make_plan()`` builds misses the memory budget (or no cut fits it)."""
     try:
         result = make_plan()
-    except PlanError:
+    except ValueError:   # a PlanError, or the stage DP's: no cut fits the budget
         return True
     return max(m.peak for m in result.memory) > budget
 
@@ -312,13 +334,6 @@ def _with_memory(result: Plan, cap, strategies, mesh, dev, *, recompute: str, bu
     from autopar.memory_plan import choose_recompute, memory_breakdown, regions_for
     from autopar.stage_dp import inflight_microbatches
 
-    if regions is None and recompute == "auto":
-        if budget is None:
-            raise ValueError("recompute='auto' needs memory_budget= (e.g. '60GiB')")
-        regions, _ = choose_recompute(cap, strategies, mesh, dev, zero=zero, budget=budget,
-                                      microbatches=result.microbatches)
-    elif regions is None:
-        regions = regions_for(cap, recompute)
     stage_nodes = inflight = None
     if result.stages:
         from autopar.pipeline import stage_of_nodes
@@ -326,6 +341,13 @@ def _with_memory(result: Plan, cap, strategies, mesh, dev, *, recompute: str, bu
         stage_nodes = [[n for n in cap.gm.graph.nodes if n.op == "call_function" and where.get(n.name, len(result.stages) - 1) == s]
                        for s in range(len(result.stages))]
         inflight = inflight_microbatches(mesh.pp, result.microbatches, result.virtual_stages, result.schedule)
+    if regions is None and recompute == "auto":
+        if budget is None:
+            raise ValueError("recompute='auto' needs memory_budget= (e.g. '60GiB')")
+        regions, _ = choose_recompute(cap, strategies, mesh, dev, zero=zero, budget=budget,
+                                      microbatches=result.microbatches, stage_nodes=stage_nodes, inflight=inflight)
+    elif regions is None:
+        regions = regions_for(cap, recompute)
     memory = memory_breakdown(cap, strategies, mesh, zero=zero, regions=regions, stage_nodes=stage_nodes,
                               inflight=inflight, microbatches=result.microbatches)
     return dataclasses.replace(result, recompute=recompute, memory=memory,
@@ -333,21 +355,39 @@ def _with_memory(result: Plan, cap, strategies, mesh, dev, *, recompute: str, bu
 
 
 def _with_stages(result: Plan, cap, strategies, mesh, dev, *, schedule, virtual, zero, gpus_per_node,
-                 memory_budget, stages) -> Plan:
-    """The plan with its pipeline stages cut by the cost model (or as ``stages`` says)."""
-    from autopar.pipeline import choose_cut, dp_sync_time, layer_units, state_bytes_per_param_byte, unit_costs
+                 memory_budget, stages, recompute: str, regions=None) -> Plan:
+    """The plan with its pipeline stages cut by the cost model (or as ``stages`` says).
+
+    The cut prices each unit's activations with ``regions`` recomputed (a given plan's) or those
+    ``recompute`` names; under recompute="auto", with none when a cut fits so, else with every
+    block recomputed (the least any choice keeps); ``_with_memory`` then chooses per block."""
+    from autopar.memory_plan import regions_for
+    from autopar.pipeline import choose_cut, layer_units
     from autopar.plans import StagePlan
 
     units = layer_units(cap)
-    costs = unit_costs(cap, strategies, units, mesh, dev, zero=zero, gpus_per_node=gpus_per_node)
-    cut = choose_cut(costs, units, mesh, schedule=schedule, microbatches=result.microbatches, virtual=virtual,
-                     memory_budget=memory_budget if memory_budget is not None else dev.memory_bytes, stages=stages)
+    working_copy = working_copy_ratio(cap)
+
+    def cut_with(recomputed):
+        costs = unit_costs(cap, strategies, units, mesh, dev, zero=zero, gpus_per_node=gpus_per_node,
+                           working_copy=working_copy, regions=recomputed)
+        return costs, choose_cut(costs, units, mesh, schedule=schedule, microbatches=result.microbatches,
+                                 virtual=virtual, stages=stages,
+                                 memory_budget=memory_budget if memory_budget is not None else dev.memory_bytes)
+
+    if regions is None and recompute == "auto":
+        try:
+            costs, cut = cut_with(regions_for(cap, "none"))
+        except PlanError:   # the stages= override itself is wrong: recompute does not mend it
+            raise
+        except ValueError:   # no cut fits without recompute
+            costs, cut = cut_with(regions_for(cap, "full"))
+    else:
+        costs, cut = cut_with(regions if regions is not None else regions_for(cap, recompute))
     stage_plans = tuple(StagePlan(s, s % mesh.pp, tuple(m for u in units[a:b] for m in u.modules),
                                   float(cut.stage_times[s]), float(cut.rank_memory[s % mesh.pp]))
                         for s, (a, b) in enumerate(cut.bounds))
-    static = costs[1]
-    rank_params = max(sum(static[a:b].sum() for s, (a, b) in enumerate(cut.bounds) if s % mesh.pp == r)
-                      for r in range(mesh.pp)) / state_bytes_per_param_byte(mesh, zero, working_copy_ratio(cap))
+    rank_params = rank_param_bytes(costs[1], cut.bounds, mesh, zero, working_copy)
     return dataclasses.replace(result, schedule=schedule, virtual_stages=virtual, stages=stage_plans,
                                predicted_compute_s=float(cut.step_time),
                                predicted_comm_s=dp_sync_time(rank_params, mesh, dev, zero, gpus_per_node))
@@ -358,7 +398,7 @@ def rebuild(model, plan: Plan, example_inputs, *, sequence_parallel="auto") -> t
     a rank needs to build its program from the plan rank 0 broadcast."""
     mesh = Mesh(*plan.mesh)
     cap = capture_pass(model, _local_inputs(example_inputs, mesh, plan.microbatches), require_loss=True)
-    cap = retype_pass(cap, plan.precision)   # the rewrite reads the compute dtype the plan was made at
+    cap = retyped(cap, plan.precision)   # the rewrite reads the compute dtype the plan was made at
     options = enumerate_strategies(cap, mesh.tp, sequence_parallel)
     return cap, strategies_from_plan(cap, options, plan)
 

@@ -27,9 +27,10 @@ Two ways in:
   plain model, under torch.compile or eager). The output projection (``lm_head``) is kept in its
   own precision by default, as the published recipes do: its logits feed the softmax directly.
 - ``fp8_backend()`` is a torch.compile backend that rewrites every ``aten.linear`` of the graph it
-  is given into the float8 linear and hands it to Inductor; this is how a graph autopar has already
-  sharded gets float8 matmuls: ``autopar.parallelize(..., compile=fp8_backend())``. There the head is
-  recognised as the linear with no other linear after it. With sequence parallelism the
+  is given into the float8 linear (``autopar.passes.fp8.fp8_linear_pass``) and hands it to
+  Inductor; this is how a graph autopar has already sharded gets float8 matmuls:
+  ``autopar.parallelize(..., compile=fp8_backend())``. There the head is recognised as the linear
+  with no other linear after it. With sequence parallelism the
   column-parallel linears are ``collectives.gathered_linear`` (an autograd Function that re-gathers
   its input in backward), which the pass does not enter: they stay in the compute dtype, so for
   float8 on every linear use ``sequence_parallel=False``.
@@ -48,6 +49,7 @@ benchmarks (Transformer Engine is not installed on the machines they run on).
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import torch.nn as nn
@@ -148,43 +150,12 @@ def swap_linears(model: nn.Module, *, skip: tuple[str, ...] = ("lm_head",), emul
     return done
 
 
-# ---- the graph pass ------------------------------------------------------------------------------
-
-_LINEARS = {torch.ops.aten.linear.default, F.linear, torch._C._nn.linear}
-
-
-def fp8_linear_pass(gm: torch.fx.GraphModule, *, keep_head: bool = True,
-                    emulate: bool = False) -> torch.fx.GraphModule:
-    """Rewrite every linear call of ``gm`` (aten or torch level) into ``fp8_linear``, in place.
-
-    With ``keep_head`` a linear that no other linear depends on (a GPT's logits projection) stays
-    as it was. Counts per outcome land in ``gm.meta["fp8_linears"]``."""
-    nodes = list(gm.graph.nodes)
-    feeds_linear: set[torch.fx.Node] = set()
-    for node in reversed(nodes):
-        if any(u.target in _LINEARS or u in feeds_linear for u in node.users):
-            feeds_linear.add(node)
-    converted = kept = 0
-    for node in nodes:
-        if node.op != "call_function" or node.target not in _LINEARS:
-            continue
-        if keep_head and node not in feeds_linear:
-            kept += 1
-            continue
-        args = list(node.args) + [None] * (3 - len(node.args))
-        bias = node.kwargs.get("bias", args[2])
-        node.target = fp8_linear
-        node.args = (args[0], args[1], bias)
-        node.kwargs = {"emulate": emulate}
-        converted += 1
-    gm.graph.lint()
-    gm.recompile()
-    gm.meta["fp8_linears"] = {"converted": converted, "kept": kept}
-    return gm
-
+# ---- the torch.compile backend -----------------------------------------------------------------
 
 def fp8_backend(inner="inductor", *, keep_head: bool = True, emulate: bool = False):
-    """A torch.compile backend: ``fp8_linear_pass`` on the graph, then ``inner`` (a backend name or callable).
+    """A torch.compile backend: ``autopar.passes.fp8.fp8_linear_pass`` on the graph (through the pass
+    driver), then ``inner`` (a backend name or callable). The pass's counts are also written to the
+    ``meta["fp8_linears"]`` of the graph Dynamo hands in.
 
     ``inner`` may be another backend of this project, e.g. ``autopar.overlap.overlap_backend()``."""
     _check_fp8_dtypes()
@@ -196,8 +167,19 @@ def fp8_backend(inner="inductor", *, keep_head: bool = True, emulate: bool = Fal
     return functools.partial(_fp8_compile, inner=inner, keep_head=keep_head, emulate=emulate)
 
 
+_compiled_graphs = itertools.count()   # graphs fp8_backend has rewritten in this process
+
+
 def _fp8_compile(gm, example_inputs, *, inner, keep_head, emulate):
-    return inner(fp8_linear_pass(gm, keep_head=keep_head, emulate=emulate), example_inputs)
+    # imported here: the pass imports fp8_linear from this module
+    from autopar.passes.driver import rank_prefix, run_passes
+    from autopar.passes.fp8 import fp8_linear_pass
+
+    # AUTOPAR_DUMP file names: a process compiles a graph per stage and per graph break
+    out, _ = run_passes(gm, [(fp8_linear_pass, {"keep_head": keep_head, "emulate": emulate})],
+                        prefix=rank_prefix(f"fp8-graph{next(_compiled_graphs)}"))
+    gm.meta["fp8_linears"] = out.meta["fp8_linears"]   # reported on Dynamo's graph too, for a wrapping backend
+    return inner(out, example_inputs)
 
 
 def _check_fp8_dtypes():

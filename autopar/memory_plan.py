@@ -11,13 +11,11 @@ the blocks, ``autopar.ilp``), or says the smallest peak any choice reaches.
 """
 from __future__ import annotations
 
-import numpy as np
-
-from autopar.cost_model.memory import attention_core, backward_excess, compiled_kept
+from autopar.cost_model.memory import attention_core, compiled_kept, stage_terms
+from autopar.cost_model.strategy import strategy_time
 from autopar.ilp import InfeasibleError, solve_strategies
-from autopar.placement import local_shape
 from autopar.plans import MemoryPlan
-from autopar.planner import PlanError, _strategy_time, find_blocks
+from autopar.planner import PlanError, find_blocks
 from autopar.precision import working_copy_ratio
 
 MODES = ("none", "selective", "full")
@@ -35,31 +33,6 @@ def regions_for(cap, mode: str) -> list[list]:
     return [[n for n in b if n.op == "call_function"] for b in blocks]
 
 
-def _param_state(cap, strategies, fqns, tp: int, dp: int, zero: int):
-    params = 0.0
-    for fqn in fqns:
-        node = cap.params[fqn]
-        v = node.meta["val"]
-        params += float(np.prod(local_shape(tuple(v.shape), strategies[node].output, tp))) * v.element_size()
-    optimizer = 2 * params / (dp if zero else 1)   # Adam's two moments, fp32 like the weights here
-    return params * (1 + working_copy_ratio(cap)), params, optimizer   # + a 16-bit step's working copy
-
-
-def stage_terms(cap, strategies, mesh, nodes, regions, *, zero: int, microbatches: int):
-    """(params, gradients held through the forward, optimizer, one microbatch's activations,
-    [(node, backward excess)]) of one stage's ``nodes`` with ``regions`` recomputed: the terms
-    of its peak (``memory_breakdown``)."""
-    held = microbatches > 1   # gradients accumulate over the step's microbatches
-    members = set(nodes)
-    fqns = [f for f, p in cap.params.items() if any(u in members for u in p.users)]
-    params, grads, opt = _param_state(cap, strategies, fqns, mesh.tp, mesh.dp, zero)
-    mine = [r for r in regions if r and r[0] in members]
-    kept = compiled_kept(nodes, strategies, mesh.tp, mine)
-    per_param = {cap.params[f]: _param_state(cap, strategies, [f], mesh.tp, mesh.dp, zero)[1] for f in fqns}
-    excess = backward_excess(nodes, kept, strategies, mesh.tp, per_param, held)
-    return params, grads if held else 0.0, opt, sum(kept.values()), excess
-
-
 def memory_breakdown(cap, strategies, mesh, *, zero: int, regions, stage_nodes=None, inflight=None,
                      microbatches: int = 1):
     """MemoryPlan per stage (one stage when pp = 1)."""
@@ -68,41 +41,64 @@ def memory_breakdown(cap, strategies, mesh, *, zero: int, regions, stage_nodes=N
     out = []
     for s, nodes in enumerate(stage_nodes):
         params, grads, opt, act, excess = stage_terms(cap, strategies, mesh, nodes, regions, zero=zero,
-                                                      microbatches=microbatches)
+                                                      microbatches=microbatches,
+                                                      working_copy=working_copy_ratio(cap))
         transient = max([0.0] + [b for _, b in excess])
         act *= inflight[s]
         out.append(MemoryPlan(s, params, grads, opt, act, params + grads + opt + act + transient, transient))
     return tuple(out)
 
 
-def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, microbatches: int = 1):
-    """Per block the cheapest recompute mode (by recomputed forward time) fitting ``budget`` bytes."""
+def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, microbatches: int = 1,
+                     stage_nodes=None, inflight=None):
+    """Per block the cheapest recompute mode (by recomputed forward time) fitting ``budget`` bytes
+    on every stage's rank (``stage_nodes`` and ``inflight`` as for ``memory_breakdown``; one
+    stage by default). A block's choice moves only its own stage's memory, so each stage is its
+    own ILP, with its activations kept for the microbatches it holds in flight."""
     blocks = find_blocks(cap) or []
     if not blocks:
         raise PlanError("recompute='auto' works per repeated block, and this model has none")
     def kept(nodes, regions) -> float:
         return sum(compiled_kept(nodes, strategies, mesh.tp, regions).values())
 
-    base = memory_breakdown(cap, strategies, mesh, zero=zero, regions=regions_for(cap, "full"),
-                            microbatches=microbatches)[0]
-    full_act = sum(kept(b, [[n for n in b if n.op == "call_function"]]) for b in blocks)
-    fixed = base.peak - full_act            # everything but the blocks' own activations
-    costs, mems = [], []
-    for b in blocks:
-        calls = [n for n in b if n.op == "call_function"]
-        options = {"none": [], "selective": [attention_core(b)], "full": [calls]}
-        mems.append([kept(b, options[m]) for m in MODES])
-        # recomputing runs the region's forward again: about a third of its forward + backward
-        costs.append([sum(_strategy_time(n, strategies[n], mesh.tp, dev, False) for r in options[m] for n in r) / 3
-                      for m in MODES])
-    try:
-        sol = solve_strategies(costs, [], node_memory=mems, memory_budget=budget - fixed)
-    except InfeasibleError:
-        raise PlanError(f"no recompute choice fits {budget / 2**30:.2f} GiB: the smallest peak, with every "
-                        f"block fully recomputed, is {base.peak / 2**30:.2f} GiB") from None
-    chosen = [MODES[i] for i in sol.choice]
+    stage_nodes = stage_nodes or [[n for n in cap.gm.graph.nodes if n.op == "call_function"]]
+    inflight = inflight or [1] * len(stage_nodes)
+    bases = memory_breakdown(cap, strategies, mesh, zero=zero, regions=regions_for(cap, "full"),
+                             stage_nodes=stage_nodes, inflight=inflight, microbatches=microbatches)
+    chosen = {}
+    for s, (nodes, base) in enumerate(zip(stage_nodes, bases)):
+        members = set(nodes)
+        mine = [k for k, b in enumerate(blocks) if any(n in members for n in b)]
+        f = inflight[s]
+        full_act = sum(kept(blocks[k], [[n for n in blocks[k] if n.op == "call_function"]]) for k in mine)
+        fixed = base.peak - f * full_act            # everything but the blocks' own activations
+        costs, mems = [], []
+        for k in mine:
+            b = blocks[k]
+            calls = [n for n in b if n.op == "call_function"]
+            options = {"none": [], "selective": [attention_core(b)], "full": [calls]}
+            mems.append([f * kept(b, options[m]) for m in MODES])
+            # recomputing runs the region's forward again: about a third of its forward + backward
+            costs.append([sum(strategy_time(n, strategies[n], mesh.tp, dev, False) for r in options[m] for n in r) / 3
+                          for m in MODES])
+
+        def no_fit():
+            where = f" on pipeline stage {s}" if len(stage_nodes) > 1 else ""
+            return PlanError(f"no recompute choice fits {budget / 2**30:.2f} GiB{where}: the smallest peak, with "
+                             f"every block fully recomputed, is {base.peak / 2**30:.2f} GiB")
+
+        if not mine:   # no block to recompute here: the stage fits as it is or not at all
+            if base.peak > budget:
+                raise no_fit()
+            continue
+        try:
+            sol = solve_strategies(costs, [], node_memory=mems, memory_budget=budget - fixed)
+        except InfeasibleError:
+            raise no_fit() from None
+        chosen.update({k: MODES[i] for k, i in zip(mine, sol.choice)})
+    modes = [chosen[k] for k in range(len(blocks))]
     regions = []
-    for b, mode in zip(blocks, chosen):
+    for b, mode in zip(blocks, modes):
         calls = [n for n in b if n.op == "call_function"]
         regions += {"none": [], "selective": [attention_core(b)], "full": [calls]}[mode]
-    return regions, chosen
+    return regions, modes

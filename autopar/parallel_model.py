@@ -1,7 +1,6 @@
 """ParallelModel: one rank's share of a parallelized model, and its training step."""
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
 import weakref
@@ -12,6 +11,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar import collectives as C
 from autopar.mesh import default_device_type, group_name
+from autopar.passes.driver import rank_prefix, run_passes
+from autopar.passes.precision import precision_pass
 from autopar.passes.recompute import recompute_pass
 from autopar.passes.shard import shard_pass
 from autopar.passes.rules import is_float
@@ -19,7 +20,7 @@ from autopar.placement import Shard, local_shape, parse_placement, shard_tensor
 from autopar.kernels.fused_linear_ce import triton_available
 from autopar.master_weights import MasterAdamW, WorkingWeights
 from autopar.passes.fuse_loss import cross_entropy_kernel_pass
-from autopar.precision import LossScaler, WorkingCopies, compute_dtype, precision_pass
+from autopar.precision import LossScaler, WorkingCopies, compute_dtype
 
 
 class ParallelModel:
@@ -48,7 +49,10 @@ class ParallelModel:
     keeps the fp32 weights in the optimizer and persistent bf16 copies in the graph, fusing the
     casts into the update (``autopar.master_weights``). fp16 scales the loss
     (``loss_scaler``); a step whose gradients overflow on any rank leaves every rank's
-    gradients None, so the optimizer skips it, and sets ``step_skipped``."""
+    gradients None, so the optimizer skips it, and sets ``step_skipped``.
+
+    ``graph_module`` is this rank's program as the passes left it (before any pipeline split),
+    ``pass_seconds`` the (pass, seconds) each of them took (``autopar.passes.driver``)."""
 
     def __init__(self, model, cap, strategies, plan, mesh, dmesh, *, compile=True, loss_kernel="auto"):
         self.plan = plan
@@ -56,13 +60,15 @@ class ParallelModel:
         self.coords = mesh.coords(dist.get_rank())
         self._tp_group = group_name(dmesh, "tp")
         self._dp_group = group_name(dmesh, "dp")
-        gm = cap.gm
+        # this rank's program: the passes carrying the plan out, run by the pass driver on the
+        # capture (which they leave as it is: the planner's graph); with pp > 1 the pipeline then
+        # splits the result into its stages (pipeline_split_pass, the one step that makes several graphs)
+        steps = []
         if mesh.tp > 1:
-            gm = shard_pass(gm, strategies, size=mesh.tp, rank=self.coords["tp"], group=self._tp_group)
+            steps.append((shard_pass, dict(strategies=strategies, size=mesh.tp, rank=self.coords["tp"],
+                                           group=self._tp_group)))
         if loss_kernel is True or (loss_kernel == "auto" and _inductor_on_cuda(compile)):
-            if gm is cap.gm:   # the captured graph is shared with the planner: rewrite a copy
-                gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-            gm = cross_entropy_kernel_pass(gm)
+            steps.append((cross_entropy_kernel_pass, {}))
         # One microbatch on one stage: the 16-bit weight copies are cast inside the compiled graph,
         # where Inductor fuses them into its own kernels, instead of ~2 eager kernels per weight per
         # step. With several microbatches the copies are made once per step and shared (``WorkingCopies``).
@@ -76,11 +82,11 @@ class ParallelModel:
             if mesh.pp > 1:
                 from autopar.pipeline import stage_of_nodes
                 stage_of = stage_of_nodes(cap, plan)
-            gm = precision_pass(gm, plan, floats, stage_of)
+            steps.append((precision_pass, dict(precision=plan.precision, floats=floats, stage_of=stage_of)))
         if plan.recompute_regions:
-            if gm is cap.gm:   # the captured graph is shared with the planner: rewrite a copy
-                gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-            gm = recompute_pass(gm, [set(r) for r in plan.recompute_regions])
+            steps.append((recompute_pass, dict(regions=[set(r) for r in plan.recompute_regions])))
+        # (pass name, seconds) per pass; AUTOPAR_DUMP=DIR writes each graph before and after it
+        gm, self.pass_seconds = run_passes(cap.gm, steps, prefix=rank_prefix())
         self.graph_module = gm
         self._placement = {p.fqn: parse_placement(p.placements["tp"]) for p in plan.parameters}
         self._aliases = {p.fqn: p.aliases for p in plan.parameters}

@@ -2,7 +2,8 @@
 
 The ordered units are the embedding (everything before the first block), each repeated
 block, and the head (everything after the last block, loss included). The cost model
-prices each unit per microbatch under the chosen tensor-parallel strategies;
+prices each unit per microbatch under the chosen tensor-parallel strategies
+(``cost_model.stages.unit_costs``);
 ``autopar.stage_dp`` cuts them into stages; ``passes.pipeline_split`` makes the stage
 graphs; torch.distributed.pipelining runs them.
 """
@@ -10,21 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch.fx import Node
 
-from autopar.cost_model import axis_is_inter_node, collective_time
-from autopar.passes.capture import Captured
-from autopar.passes.rules import is_float
-from autopar.placement import Shard, local_shape
-from autopar.planner import PlanError, _strategy_time, find_blocks, tensor_bytes, tp_collectives
-from autopar.precision import working_copy_ratio
+from autopar.passes.capture import Captured, graph_cached
+from autopar.planner import PlanError, enumerate_strategies, find_blocks, strategies_from_plan
 from autopar.stage_dp import cut_stages, evaluate_cut
-
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
-# Host-side cost of one op launch forward plus backward: what makes very small microbatches slow.
-OP_OVERHEAD = 15e-6
 
 
 @dataclass(frozen=True)
@@ -34,6 +26,7 @@ class Unit:
     nodes: tuple[Node, ...]
 
 
+@graph_cached
 def layer_units(cap: Captured) -> list[Unit]:
     """Embedding, each block, head: the pieces a stage cut may not split."""
     blocks = find_blocks(cap)
@@ -58,61 +51,6 @@ def layer_units(cap: Captured) -> list[Unit]:
         if nodes:
             units.append(Unit(name, mods, tuple(nodes)))
     return units
-
-
-def unit_costs(cap: Captured, strategies: dict, units: list[Unit], mesh, dev, *, zero: int,
-               gpus_per_node: int):
-    """Per unit per microbatch: seconds (fwd+bwd), static bytes, activation bytes; and the
-    point-to-point seconds of a cut after each unit."""
-    tp = mesh.tp
-    tp_inter = axis_is_inter_node(tp, 1, gpus_per_node)
-    pp_inter = axis_is_inter_node(mesh.pp, tp, gpus_per_node)
-    unit_of = {n: k for k, u in enumerate(units) for n in u.nodes}
-    time = np.zeros(len(units))
-    for n, k in unit_of.items():
-        time[k] += _strategy_time(n, strategies[n], tp, dev, tp_inter) + OP_OVERHEAD
-    if tp > 1:
-        for _, kind, _, nbytes, consumer in tp_collectives(cap, strategies, tp):
-            if consumer in unit_of:
-                time[unit_of[consumer]] += collective_time(kind, nbytes, tp, dev, tp_inter)
-    static = np.zeros(len(units))
-    state = state_bytes_per_param_byte(mesh, zero, working_copy_ratio(cap))
-    for fqn, node in cap.params.items():
-        pl = strategies[node].output
-        nbytes = float(np.prod(local_shape(tuple(node.meta["val"].shape), pl, tp))) * node.meta["val"].element_size()
-        for k in {unit_of[u] for u in node.users if u in unit_of}:
-            static[k] += nbytes * state
-    act = np.zeros(len(units))
-    for n, k in unit_of.items():
-        if is_float(n) and n.meta.get("val") is not None:
-            split = tp if isinstance(strategies[n].output, Shard) else 1
-            act[k] += tensor_bytes(n) / split
-    # a value crosses the cuts after its own unit up to the last unit that reads it
-    sent = np.zeros(len(units) + 1)
-    for a, k in unit_of.items():
-        last = max((unit_of[u] for u in a.users if u in unit_of), default=k)
-        if last > k and is_float(a):
-            nbytes = tensor_bytes(a) / (tp if isinstance(strategies[a].output, Shard) else 1)
-            sent[k] += nbytes
-            sent[last] -= nbytes
-    bw = dev.inter_node_bw if pp_inter else dev.intra_node_bw
-    boundary = 2 * np.cumsum(sent)[:max(len(units) - 1, 0)] / bw   # activations forward, gradients back
-    return time, static, act, boundary
-
-
-def state_bytes_per_param_byte(mesh, zero: int, working_copy: float = 0.0) -> float:
-    """Parameter + gradient + Adam's two moments (the moments sharded over dp with ZeRO-1), plus
-    a 16-bit working copy's share (``autopar.precision.working_copy_ratio``)."""
-    return 2.0 + working_copy + (2.0 / mesh.dp if zero else 2.0)
-
-
-def dp_sync_time(param_bytes: float, mesh, dev, zero: int, gpus_per_node: int) -> float:
-    """Seconds to average one rank's gradients over dp (and with ZeRO-1 re-gather its parameters)."""
-    if mesh.dp == 1:
-        return 0.0
-    inter = axis_is_inter_node(mesh.dp, mesh.pp * mesh.tp, gpus_per_node)
-    kinds = ["reduce_scatter", "all_gather"] if zero else ["all_reduce"]
-    return sum(collective_time(k, param_bytes, mesh.dp, dev, inter) for k in kinds)
 
 
 def choose_cut(costs, units: list[Unit], mesh, *, schedule: str, microbatches: int, virtual: int,
@@ -202,6 +140,16 @@ def stage_of_nodes(cap: Captured, plan) -> dict[str, int]:
     units = layer_units(cap)
     bounds = _override_bounds([s.modules for s in plan.stages], units, len(plan.stages))
     return {n.name: s for s, (a, b) in enumerate(bounds) for u in units[a:b] for n in u.nodes}
+
+
+def plan_layout(cap: Captured, plan) -> tuple[dict, list[Unit], dict[str, int]]:
+    """A plan's decisions laid on a capture of its model, for pricing it there
+    (``cost_model.symbolic``): the strategy per node and, with pipeline stages, the layer units
+    and each node's stage (empty without)."""
+    strategies = strategies_from_plan(cap, enumerate_strategies(cap, plan.mesh[2], "auto"), plan)
+    if not plan.stages:
+        return strategies, [], {}
+    return strategies, layer_units(cap), stage_of_nodes(cap, plan)
 
 
 class Pipeline:

@@ -27,20 +27,16 @@ import numpy as np
 import torch
 from torch.fx import Node
 
-from autopar.cost_model import attention_kind, collective_time, compute_time, node_bytes, node_flops, summed_bytes
-from autopar.cost_model.memory import VIEW_OPS
+from autopar.cost_model import axis_is_inter_node, node_flops
+from autopar.cost_model.step import dp_sync_kinds, dp_sync_time, flat_compute_time, tp_comm_time
+from autopar.cost_model.strategy import move_time, param_memory, strategy_time, tp_collectives
 from autopar.ilp import solve_strategies
-from autopar.passes.capture import Captured
-from autopar.passes.reshard import ReshardError, can_regather, regather_candidate, reshard_steps, step_collectives
-from autopar.passes.rules import POINTWISE, RuleContext, Strategy, dim_labels, is_float, shape, strategies_for
+from autopar.passes.capture import Captured, graph_cached
+from autopar.passes.reshard import regather_candidate
+from autopar.passes.rules import RuleContext, Strategy, dim_labels, is_float, shape, strategies_for
 from autopar.placement import R, Placement, Shard, local_shape
 
 aten = torch.ops.aten
-
-
-# Fixed host-side cost of issuing one collective (kernel launch, stream sync). Besides being
-# real, it decides ties: ring all-reduce moves the same bytes as reduce-scatter + all-gather.
-LAUNCH_OVERHEAD = 2e-6
 
 
 class PlanError(ValueError):
@@ -55,12 +51,6 @@ class Assignment:
     options: dict[Node, list[Strategy]]
     solve_seconds: float
     objective: float
-
-
-def tensor_bytes(node: Node) -> float:
-    val = node.meta.get("val")
-    vals = val if isinstance(val, (list, tuple)) else [val]
-    return float(sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor)))
 
 
 def divisors(n: int) -> list[int]:
@@ -85,6 +75,7 @@ def check_tp(cap: Captured, tp: int) -> None:
                                 f"valid tp: {', '.join(map(str, divisors(hidden)))}")
 
 
+@graph_cached
 def enumerate_strategies(cap: Captured, tp: int, sequence_parallel) -> dict[Node, list[Strategy]]:
     """Candidate strategies per node, with the sequence-parallel choice applied."""
     g = cap.gm.graph
@@ -125,6 +116,7 @@ def _block_of(path: str) -> tuple[str, int] | None:
     return (m.group(1), int(m.group(2))) if m else None
 
 
+@graph_cached
 def find_blocks(cap: Captured) -> list[list[Node]] | None:
     """The repeated blocks (nodes per block, in order) if the graph has identical ones."""
     blocks: dict[int, list[Node]] = {}
@@ -192,12 +184,12 @@ def solve(cap: Captured, options: dict[Node, list[Strategy]], tp: int, dev, *,
     masked = dict.fromkeys((rep[p], rep[c], slot) for p in shared_at for c, slot in fan_out[p])
     groups = Counter((rep[p], tuple((rep[c], slot) for c, slot in fan_out[p])) for p in shared_at)
 
-    node_costs = [mult[n] * np.array([_strategy_time(n, s, tp, dev, inter_node)
-                                      + param_byte_seconds * _param_memory(n, s, tp, 1.0) for s in options[n]])
+    node_costs = [mult[n] * np.array([strategy_time(n, s, tp, dev, inter_node)
+                                      + param_byte_seconds * param_memory(n, s, tp, 1.0) for s in options[n]])
                   for n in nodes]
     memory = None
     if memory_budget is not None:
-        memory = [mult[n] * np.array([_param_memory(n, s, tp, param_state_bytes) for s in options[n]])
+        memory = [mult[n] * np.array([param_memory(n, s, tp, param_state_bytes) for s in options[n]])
                   for n in nodes]
     edges = [(ids[p], ids[c], k * _edge_matrix(p, c, slot, options, tp, dev, inter_node))
              for (p, c, slot), k in uses.items()]
@@ -209,24 +201,6 @@ def solve(cap: Captured, options: dict[Node, list[Strategy]], tp: int, dev, *,
     seconds = time.perf_counter() - t0
     return Assignment({n: options[n][sol.choice[ids[rep[n]]]] for n in options},
                       options, seconds, sol.objective)
-
-
-def param_byte_time(mesh, dev, *, zero: int, working_copy: bool, gpus_per_node: int = 8) -> float:
-    """Step seconds per byte of one rank's parameter shards spent outside the forward and
-    backward ops: the optimizer update (``update_time``) and the dp gradient sync, both
-    linear in those bytes as ``build_plan`` and ``plan_update_time`` price them (with
-    pipeline stages each rank holds about 1/pp of the layers, so 1/pp of it is charged)."""
-    from autopar.cost_model import axis_is_inter_node
-    from autopar.cost_model.compute import update_time
-
-    seconds = update_time(1.0, dev, working_copy=working_copy, optimizer_shards=mesh.dp if zero else 1)
-    if mesh.dp > 1:
-        inter = axis_is_inter_node(mesh.dp, mesh.pp * mesh.tp, gpus_per_node)
-        kinds = ["reduce_scatter", "all_gather"] if zero else ["all_reduce"]
-        # the latency of the one bucketed collective per kind does not depend on the placements
-        seconds += sum(collective_time(k, 1.0, mesh.dp, dev, inter) - collective_time(k, 0.0, mesh.dp, dev, inter)
-                       for k in kinds)
-    return seconds / mesh.pp
 
 
 def _edge_matrix(producer: Node, consumer: Node, slot: int, options, tp, dev, inter_node) -> np.ndarray:
@@ -243,23 +217,9 @@ def _edge_matrix(producer: Node, consumer: Node, slot: int, options, tp, dev, in
                 m[i, j] = np.inf   # a multi-output op's pieces are taken as they are
                 continue
             if key not in cache:
-                cache[key] = _move_time(moved, consumer.target, slot, key, tp, dev, inter_node, fl)
+                cache[key] = move_time(moved, consumer.target, slot, key, tp, dev, inter_node, fl)
             m[i, j] = cache[key]
     return m
-
-
-def _move_time(moved: Node, consumer_target, slot: int, form: tuple, tp: int, dev, inter_node: bool,
-               fl: bool) -> float:
-    """Seconds of the collectives moving the value ``moved`` from placement ``form[0]`` to
-    ``form[1]`` (``form[2]``: its gradient is partial) for one consumer input; inf where no
-    reshard exists."""
-    nbytes, dtype = tensor_bytes(moved), getattr(moved.meta.get("val"), "dtype", None)
-    try:
-        kinds = edge_collectives(consumer_target, slot, *form, fl)
-    except ReshardError:
-        return np.inf
-    return sum(collective_time(kind, summed_bytes(kind, nbytes, dtype), tp, dev, inter_node) + LAUNCH_OVERHEAD
-               for _, kind in kinds)
 
 
 def _shared_group(producer: Node, members, count: int, ids, options, tp, dev, inter_node):
@@ -272,49 +232,10 @@ def _shared_group(producer: Node, members, count: int, ids, options, tp, dev, in
         keys = [forms.setdefault((b.inputs[slot], b.divergent(slot) and fl), len(forms)) for b in options[c]]
         keyed.append((ids[c], keys))
     c0, slot0 = members[0]
-    table = np.array([[_move_time(producer, c0.target, slot0, (a.output, *form), tp, dev, inter_node, fl)
+    table = np.array([[move_time(producer, c0.target, slot0, (a.output, *form), tp, dev, inter_node, fl)
                        for form in forms] for a in options[producer]])
     # an impossible move is forbidden by the pairwise edge; the group only prices possible ones
     return ids[producer], keyed, count * np.where(np.isinf(table), 0.0, table)
-
-
-def strategy_work(node: Node, s: Strategy) -> tuple[float, float, torch.dtype]:
-    """(FLOPs, bytes moved, dtype) of a call_function node's forward and backward on one rank
-    under strategy ``s``: what ``compute_time`` prices (views excluded by the caller)."""
-    fwd, bwd = node_flops(node)   # cached by the cost model per op signature
-    val = node.meta["val"]
-    dtype = val.dtype if isinstance(val, torch.Tensor) else torch.float32
-    return (fwd + bwd) / s.divisor, op_traffic(node) / s.divisor, dtype
-
-
-def op_traffic(node: Node) -> float:
-    """Bytes a call_function node's forward and backward move, unsharded, as the cost model counts them."""
-    # Inductor fuses chains of pointwise ops, so one costs about a write of its output
-    # forward and one backward; other ops read and write their tensors, backward ~2x.
-    return 2 * tensor_bytes(node) if node.target in POINTWISE else 3 * node_bytes(node)
-
-
-def _strategy_time(node: Node, s: Strategy, tp: int, dev, inter_node: bool, with_comm: bool = True) -> float:
-    if node.op != "call_function" or node.target in VIEW_OPS:
-        return 0.0
-    flops, nbytes, dtype = strategy_work(node, s)
-    t = compute_time(flops, nbytes, dev, dtype, attention_kind(node))
-    if not with_comm:   # the plan prices the in-op collectives, latency too, with the others
-        return t
-    rows = shape(node.args[0])[0] if s.comm else 0
-    return t + sum(collective_time(kind, _comm_bytes(kind, rows, tp), tp, dev, inter_node) for kind, _ in s.comm)
-
-
-def _comm_bytes(kind: str, rows: int, tp: int) -> float:
-    """Full size of a per-row fp32 collective inside an op (an all-gather's output is tp rows deep)."""
-    return rows * 4.0 * (tp if kind == "all_gather" else 1)
-
-
-def _param_memory(node: Node, s: Strategy, tp: int, state_bytes: float) -> float:
-    if node.meta.get("kind") != "param":
-        return 0.0
-    # padded as the shard really is: the plan prices the update and dp sync of these bytes
-    return float(np.prod(local_shape(shape(node), s.output, tp))) * node.meta["val"].element_size() * state_bytes
 
 
 # ---- from an assignment to a Plan, and back ------------------------------------------------
@@ -325,58 +246,14 @@ def _op_name(node: Node) -> str:
     return str(node.target) if isinstance(node.target, torch._ops.OpOverload) else node.target.__name__
 
 
-def tp_collectives(cap: Captured, strategies: dict[Node, Strategy], tp: int):
-    """(phase, kind, where, bytes, consumer node) of every tp collective the rewrite will emit."""
-    out, seen = [], set()
-    for c in cap.gm.graph.nodes:
-        regather = False
-        if c.op == "output":
-            pairs = [(p, R, False) for p in c.all_input_nodes]
-        elif c.op == "call_function":
-            s = strategies[c]
-            regather = s.regather
-            pairs = [(p, s.inputs[k], s.divergent(k) and is_float(p)) for k, p in enumerate(c.all_input_nodes)]
-            rows = shape(c.args[0])[0] if s.comm else 0
-            out += [("fwd", kind, c.meta.get("module_path", ""), _comm_bytes(kind, rows, tp), c)
-                    for kind, _ in s.comm]
-        else:
-            continue
-        for slot, (p, dst, div) in enumerate(pairs):
-            kinds = edge_collectives(c.target, slot, strategies[p].output, dst, div, is_float(p), regather=regather)
-            own = regather and can_regather(c.target, slot, strategies[p].output,
-                                            reshard_steps(strategies[p].output, dst, div))
-            if not own:   # the rewrite moves a value once for all consumers wanting it the same way
-                if (p, dst, div) in seen:
-                    continue
-                seen.add((p, dst, div))
-            moved = c if isinstance(p.meta.get("val"), (list, tuple)) else p
-            nbytes, dtype = tensor_bytes(moved), getattr(moved.meta.get("val"), "dtype", None)
-            where = c.meta.get("module_path", "") or p.meta.get("module_path", "")
-            out += [(phase, kind, where, summed_bytes(kind, nbytes, dtype), c) for phase, kind in kinds]
-    return out
-
-
-def edge_collectives(consumer_target, slot: int, src: Placement, dst: Placement, divergent: bool, is_float_: bool,
-                     *, regather: bool = False):
-    """(phase, kind) of the collectives moving one input from ``src`` to ``dst`` for its consumer
-    (``regather``: the consumer keeps only the shard and gathers again in backward)."""
-    steps = reshard_steps(src, dst, divergent)
-    kinds = step_collectives(steps, is_float_)
-    if regather and can_regather(consumer_target, slot, src, steps):
-        kinds.append(("bwd", "all_gather"))
-    return kinds
-
-
 def build_plan(cap: Captured, assignment: Assignment, mesh, dev, *, sequence_parallel: bool,
                zero: int, microbatches: int, source: str, gpus_per_node: int = 8):
     """Turn the chosen strategies into a ``Plan`` with placements, collectives and predicted times."""
-    from autopar.cost_model import axis_is_inter_node
     from autopar.plans import CollectivePlan, NodePlan, ParamPlan, Plan
 
     strategies = assignment.strategies
     tp, dp = mesh.tp, mesh.dp
     tp_inter = axis_is_inter_node(tp, 1, gpus_per_node)
-    dp_inter = axis_is_inter_node(dp, mesh.pp * tp, gpus_per_node)
     params, local_bytes = [], 0.0
     for fqn, node in cap.params.items():
         pl = strategies[node].output
@@ -395,13 +272,11 @@ def build_plan(cap: Captured, assignment: Assignment, mesh, dev, *, sequence_par
         a = agg.setdefault((kind, "tp", phase, where), [0, 0.0])
         a[0] += m
         a[1] += nbytes * m
-    comm = sum(collective_time(k, b / n, tp, dev, tp_inter) * n for (k, _, _, _), (n, b) in agg.items())
-    if dp > 1:
-        kinds = ["reduce_scatter", "all_gather"] if zero else ["all_reduce"]
-        for kind in kinds:
-            agg[(kind, "dp", "step", "(all parameters)")] = [1, local_bytes]
-            comm += collective_time(kind, local_bytes, dp, dev, dp_inter)
-    compute = m * sum(_strategy_time(n, s, tp, dev, tp_inter, False) for n, s in strategies.items())
+    comm = tp_comm_time([(k, n, b) for (k, _, _, _), (n, b) in agg.items()], tp, dev, tp_inter)
+    for kind in dp_sync_kinds(zero) if dp > 1 else []:
+        agg[(kind, "dp", "step", "(all parameters)")] = [1, local_bytes]
+    comm += dp_sync_time(local_bytes, mesh, dev, zero, gpus_per_node)
+    compute = flat_compute_time(strategies, tp, dev, tp_inter, m)
     colls = tuple(CollectivePlan(k, axis, ph, w, n, int(b)) for (k, axis, ph, w), (n, b) in agg.items())
     input_shapes = tuple(shape(i) for i in cap.inputs)
     model_flops = m * mesh.dp * sum(sum(node_flops(n)) for n in cap.gm.graph.nodes if n.op == "call_function")

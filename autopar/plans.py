@@ -12,6 +12,8 @@ from collections import defaultdict
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
+from autopar.cost_model.step import step_time
+
 PLAN_VERSION = 1
 
 PRECISION_NOTES = {"fp32": "fp32",
@@ -122,8 +124,9 @@ class Plan:
 
     @property
     def predicted_step_time(self) -> float:
-        """Seconds per training step: compute, (unoverlapped) communication and the weight update."""
-        return self.predicted_compute_s + self.predicted_comm_s + self.predicted_update_s
+        """Seconds per training step: compute, (unoverlapped) communication and the weight update
+        (``cost_model.step.step_time``)."""
+        return step_time(self.predicted_compute_s, [self.predicted_comm_s], self.predicted_update_s)
 
     @property
     def predicted_mfu(self) -> float:
@@ -137,8 +140,9 @@ class Plan:
         length S, for this plan's strategies, stages and recompute (``autopar.cost_model.symbolic``):
         ``e = plan.cost_expr(model); e.step_time; e.at(B, S)``. ``model`` is the model planned
         (on the meta device is fine); ``device`` is needed when the plan was priced on a profile."""
-        from autopar.cost_model.symbolic import cost_expr
-        return cost_expr(model, self, example_inputs, device=device, gpus_per_node=gpus_per_node)
+        from autopar.cost_model.symbolic import cost_expr   # sympy: loaded only when asked for
+        from autopar.pipeline import plan_layout   # the planner's, and the planner builds Plans
+        return cost_expr(model, self, plan_layout, example_inputs, device=device, gpus_per_node=gpus_per_node)
 
     def derives_as(self, derived: "Plan") -> bool:
         """Whether ``derived``, this plan re-derived from its own choices, records the same local

@@ -18,7 +18,8 @@ gradient and optimizer state stays fp32:
   sum of a weight tied across pipeline stages all run in fp32, and any torch optimizer steps
   the fp32 parameters ``ParallelModel.parameters()`` returns.
 
-- Inside the graph (``precision_pass``): floating inputs and buffers are cast to the compute dtype
+- Inside the graph (``precision_pass``, in ``autopar.passes.precision`` with the other graph
+  pieces of this recipe): floating inputs and buffers are cast to the compute dtype
   where first used, except by the ops that compute tables from buffers (rotary cos/sin), which
   run at the dtype they were traced at; loss ops (cross-entropy and the like) take fp32 inputs, and the graph returns an
   fp32 loss.
@@ -26,54 +27,22 @@ gradient and optimizer state stays fp32:
 - fp32 reductions. ``autopar.collectives`` sums every all-reduce and reduce-scatter of a 16-bit
   tensor in fp32, forward and backward; the cost model prices them at fp32 bytes.
 
-- The cost model sees the compute dtype. ``retype_pass`` re-propagates the captured graph's
-  tensor metadata with 16-bit placeholders, so compute is priced at the device's bf16/fp16 peak,
-  activations, all-gathers and pipeline sends at 2 bytes per element, while parameters,
-  gradients and optimizer state keep their fp32 bytes, plus the working copy
-  (``working_copy_ratio``).
+- The cost model sees the compute dtype. ``retype_pass`` re-propagates the tensor metadata of a
+  copy of the captured graph (the capture itself stays as traced) with 16-bit placeholders, so
+  compute is priced at the device's bf16/fp16 peak, activations, all-gathers and pipeline sends
+  at 2 bytes per element, while parameters, gradients and optimizer state keep their fp32 bytes,
+  plus the working copy (``working_copy_ratio``).
 
 - fp16's range is narrow, so its loss is scaled (``LossScaler``: Megatron-LM's dynamic recipe).
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import torch
-from torch._guards import detect_fake_mode
-from torch.fx import GraphModule, Node, map_arg
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-from torch.utils._pytree import tree_map
 
 from autopar import collectives as C
-from autopar import ops
-from autopar.passes.capture import input_free
-
-aten = torch.ops.aten
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-# Ops that compute the loss: they run in fp32 whatever the compute dtype, as Megatron-LM's
-# cross-entropy does, because a log-sum-exp over a vocabulary loses too much at 16 bits.
-LOSS_OPS = {aten.cross_entropy_loss.default, aten.log_softmax.int, aten._log_softmax.default,
-            aten.nll_loss.default, aten.mse_loss.default, aten.l1_loss.default,
-            aten.smooth_l1_loss.default, aten.huber_loss.default, aten.kl_div.default,
-            aten.binary_cross_entropy_with_logits.default, ops.vocab_parallel_cross_entropy}
-
-
-def compute_dtype(precision: str) -> torch.dtype:
-    """The dtype the forward and backward run at for ``precision`` ("fp32", "bf16" or "fp16")."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: expected 'fp32', 'bf16' (bf16 compute, fp32 master "
-                         "weights) or 'fp16' (fp16 compute, fp32 master weights, loss scaling)")
-    return PRECISIONS[precision]
-
-
-def cast(x, dtype: torch.dtype):
-    """``x`` at ``dtype`` when it is a floating-point tensor; anything else as it is."""
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-        return x.to(dtype)
-    return x
+from autopar.passes.precision import cast, compute_dtype
 
 
 # ---- the per-rank program -------------------------------------------------------------------
@@ -113,104 +82,10 @@ class WorkingCopies:
         return self._copies[name]
 
 
-def precision_pass(gm: GraphModule, plan, floats: set[str], stage_of: dict[str, int] | None = None) -> GraphModule:
-    """Casts for ``plan.precision``: floating inputs (``floats``) to the compute dtype where first used, loss ops in fp32."""
-    dtype = compute_dtype(plan.precision)
-    out = GraphModule(gm, copy.deepcopy(gm.graph))
-    g = out.graph
-    inputs = {n for n in g.nodes if n.op == "placeholder" and n.name in floats}
-    tables = _tables(g)
-    casts: dict[tuple, Node] = {}
-
-    def origin(n: Node) -> str:
-        return n.meta.get("origin", n.name)
-
-    def from_input(n: Node) -> bool:
-        while n.op == "call_function" and n.target in C.COLLECTIVE_FUNCTIONS:
-            n = n.args[0]
-        return n in inputs
-
-    def cast_before(user: Node, value: Node, to: torch.dtype, key: tuple) -> None:
-        if key not in casts:
-            with g.inserting_before(user):
-                c = g.call_function(cast, (value, to))
-            c.meta.update(origin=origin(user), module_path=user.meta.get("module_path", ""))
-            casts[key] = c
-        user.replace_input_with(value, casts[key])
-
-    for node in list(g.nodes):
-        if node.op == "output":
-            for value in node.all_input_nodes:
-                cast_before(node, value, torch.float32, (value, node))
-        if node.op != "call_function" or node.target in C.COLLECTIVE_FUNCTIONS:
-            continue
-        for value in node.all_input_nodes:
-            if node.target in LOSS_OPS:
-                cast_before(node, value, torch.float32, (value, node))
-            elif node not in tables and (from_input(value) or value in tables):
-                # one cast per pipeline stage that uses the value (``cast`` leaves non-floats alone);
-                # an op computing a table takes its inputs uncast (see ``_tables``)
-                cast_before(node, value, dtype, (value, stage_of.get(origin(node)) if stage_of else None))
-    g.lint()
-    out.recompile()
-    return out
-
-
-def _tables(graph) -> set[Node]:
-    """Values the graph computes from buffers and shapes alone (rotary tables, float masks).
-    They were traced at fp32, where their casts to the activations' dtype were no-ops and dropped,
-    so the ops that use them get them cast to the compute dtype. The ops computing them run at the
-    dtype they were traced at, on uncast buffers: the model's own upcasts there (Hugging Face's
-    ``inv_freq.float() @ position_ids.float()`` under disabled autocast) were no-ops at fp32 and
-    are missing from the graph, so a 16-bit buffer would meet an fp32 operand."""
-    return {n for n in input_free(graph) if n.op == "call_function"}
-
-
-# ---- the planner's view --------------------------------------------------------------------
-
-class _Retype(FakeTensorProp):
-    """Fake-tensor propagation with ``precision_pass``'s casts: loss ops see fp32 inputs, and the
-    tables the graph computes from buffers and shapes reach other ops at the compute dtype."""
-
-    def __init__(self, gm, mode, dtype: torch.dtype):
-        super().__init__(gm, mode)
-        self.dtype = dtype
-        self.tables = _tables(gm.graph)
-
-    def fetch_args_kwargs_from_env(self, n):
-        def load(a):   # inputs and tables reach the ops that compute with them at 16 bits
-            v = self.env[a]
-            return cast(v, self.dtype) if a in self.tables or a.op == "placeholder" else v
-        if n.op != "call_function" or n.target in LOSS_OPS or n in self.tables:
-            return super().fetch_args_kwargs_from_env(n)
-        return map_arg(n.args, load), map_arg(n.kwargs, load)
-
-    def call_function(self, target, args, kwargs):
-        if target in LOSS_OPS:
-            args, kwargs = tree_map(lambda x: cast(x, torch.float32), (args, kwargs))
-        return super().call_function(target, args, kwargs)
-
-
-def retype_pass(cap, precision: str):
-    """``cap`` (changed in place) with every computed value's metadata at ``precision``'s compute dtype."""
-    dtype = compute_dtype(precision)
-    if dtype == torch.float32:
-        return cap
-    # placeholders keep their stored dtype (fp32 master weights, gradients, optimizer state);
-    # every op is re-run on fake tensors as it will run, on 16-bit copies of them
-    placeholders = [n for n in cap.gm.graph.nodes if n.op == "placeholder"]
-    stored = {n: n.meta["val"] for n in placeholders}
-    mode = detect_fake_mode(list(stored.values()))
-    _Retype(cap.gm, mode, dtype).propagate_dont_convert_inputs(*stored.values())
-    for n, v in stored.items():
-        n.meta["val"] = v
-    cap.gm.meta["compute_dtype"] = dtype
-    return cap
-
-
 def working_copy_ratio(cap) -> float:
     """Bytes of a step's 16-bit working copy (``WorkingCopies``) per byte of stored parameter:
-    0.5 for bf16 or fp16 compute on fp32 weights, 0 when the weights are used as they are."""
+    0.5 for bf16 or fp16 compute on fp32 weights, 0 when the weights are used as they are.
+    ``cap``: as ``autopar.passes.precision.retyped`` returns it (its graph's ``meta["compute_dtype"]``)."""
     dtype = cap.gm.meta.get("compute_dtype")
     stored = {n.meta["val"].dtype for n in cap.params.values()}
     if dtype is None or stored <= {dtype}:

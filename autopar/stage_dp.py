@@ -126,11 +126,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopar.cost_model.stages import SCHEDULES, check_schedule, inflight_microbatches, pipeline_time, posint
+
 __all__ = ["SCHEDULES", "StageCut", "cut_stages", "evaluate_cut", "bubble_fraction",
            "inflight_microbatches", "min_peak_memory", "SEARCH_LIMIT"]
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
-_INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble")
 _MEM_RTOL = 1e-9
 SEARCH_LIMIT = 100_000
 _GIB = float(2 ** 30)
@@ -151,40 +151,8 @@ class StageCut:
 
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     """(p - 1) / (v m): the idle fraction of equal stages (GPipe/1F1B for v = 1, interleaved)."""
-    p, m, v = _posint(p, "p"), _posint(m, "m"), _posint(v, "v")
+    p, m, v = posint(p, "p"), posint(m, "m"), posint(v, "v")
     return (p - 1) / (v * m)
-
-
-def inflight_microbatches(p: int, m: int, v: int = 1, schedule: str = "1F1B") -> tuple[int, ...]:
-    """f(s) for s = 0..p*v-1: microbatches whose activations stage s holds at its rank's peak."""
-    p, m, v = _posint(p, "p"), _posint(m, "m"), _posint(v, "v")
-    _check_schedule(schedule, v)
-    S = p * v
-    if schedule == "GPipe":
-        return (m,) * S
-    if v == 1:                                  # 1F1B, or an interleaved schedule with one chunk
-        return tuple(min(m, p - s) for s in range(S))
-    out = []
-    for s in range(S):
-        r, j = s % p, s // p
-        n_r = min(m * v, (v - 1) * p + 2 * (p - 1 - r) + 1)
-        q, rho = divmod(n_r, p * v)
-        out.append(min(m, q * p + min(max(rho - j * p, 0), p)))
-    return tuple(out)
-
-
-def _posint(x, name):
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1:
-        raise ValueError(f"{name} must be a positive integer, got {x!r}")
-    return int(x)
-
-
-def _check_schedule(schedule, v):
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    if v > 1 and schedule not in _INTERLEAVED:
-        raise ValueError(f"schedule {schedule} runs one stage per rank, but v={v} virtual stages per "
-                         f"rank were asked for; use v=1, or Interleaved1F1B / InterleavedZeroBubble")
 
 
 def _fits(mem: float, budget) -> bool:
@@ -216,8 +184,8 @@ def _arrays(time, static_mem, act_mem, boundary):
 
 
 def _setup(time, static_mem, act_mem, boundary, p, m, v, schedule):
-    p, m, v = _posint(p, "p"), _posint(m, "m"), _posint(v, "v")
-    _check_schedule(schedule, v)
+    p, m, v = posint(p, "p"), posint(m, "m"), posint(v, "v")
+    check_schedule(schedule, v)
     t, w, a, c = _arrays(time, static_mem, act_mem, boundary)
     n, S = t.size, p * v
     if n < S:
@@ -226,13 +194,6 @@ def _setup(time, static_mem, act_mem, boundary, p, m, v, schedule):
             f"only {n} units (embedding, {max(n - 2, 0)} blocks, head); use at most {n} stages "
             f"(a smaller pp or v) or a deeper model")
     return t, w, a, c, p, m, v, S
-
-
-def _step(stage_times, p, m, v) -> float:
-    if v == 1:
-        return math.fsum(stage_times) + (m - 1) * max(stage_times)
-    ranks = [math.fsum(stage_times[r::p]) for r in range(p)]
-    return m * max(ranks) + (p - 1) * max(stage_times)
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -258,7 +219,7 @@ def evaluate_cut(bounds, time, static_mem, act_mem, boundary, *, p, m, v=1,
     for s, (b, e) in enumerate(bounds):
         times.append(math.fsum(t[b:e]) + (float(c[b - 1]) if s > 0 else 0.0))
         mem[s % p] += math.fsum(w[b:e]) + f[s] * math.fsum(a[b:e])
-    return StageCut(bounds, tuple(times), tuple(mem), _step(times, p, m, v))
+    return StageCut(bounds, tuple(times), tuple(mem), pipeline_time(times, p, m, v))
 
 
 # --------------------------------------------------------------------------- v = 1: sweep + DP

@@ -12,6 +12,11 @@
   flop counter on meta tensors, bytes from the FX node's tensor metadata, and a roofline time
   max(FLOPs / rate, bytes / HBM bandwidth), the rate measured by ``calibrate`` (matmuls, and
   fused attention separately) where a profile has it, else peak * matmul_efficiency.
+- ``strategy``: an op's time under a sharding strategy, its parameter bytes, the tp collectives
+  a set of strategies makes the rewrite emit; ``stages``: pipeline units' time and bytes, the
+  microbatches a schedule keeps in flight, the pipeline's makespan; ``step``: the one step-time
+  sum (``step_time``), the dp gradient sync and the optimizer update; ``memory``: activations
+  kept under torch.compile and the per-rank memory of a stage.
 - ``calibrate`` measures a device profile; ``symbolic`` gives a plan's costs as sympy
   expressions in batch and sequence length.
 """

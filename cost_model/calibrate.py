@@ -14,7 +14,7 @@ What is measured, on CUDA when it is available, else on the CPU:
   median time.
 - Memory-bound ops as Inductor compiles them: a reference bf16 GPT (4 layers, h=1536, 8 x 1024
   tokens, vocab 32768) runs forward and backward under torch.compile; the bytes the cost model
-  counts for its ops without FLOPs (``autopar.planner.op_traffic``) over the GPU time of its
+  counts for its ops without FLOPs (``cost_model.strategy.op_traffic``) over the GPU time of its
   kernels that are not matmuls, attention or the optimizer (torch.profiler) is ``fused_bandwidth``.
   GPU only: on the CPU the copy bandwidth stands in for it.
 - The optimizer: one fused AdamW step (foreach on the CPU) over many fp32 tensors; its 7 reads
@@ -56,6 +56,8 @@ from scipy.optimize import nnls
 
 from .comm import axis_is_inter_node, collective_bytes_on_wire
 from .devices import DEVICES, AttentionSample, CollectiveFit, DeviceSpec, MatmulSample, get_device
+from .memory import VIEW_OPS
+from .strategy import op_traffic
 
 MEASURED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 _RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
@@ -247,13 +249,12 @@ _REFERENCE_BATCH = 8
 
 def measure_fused_bandwidth(device: str, log: Callable[[str], None] = lambda s: None) -> float:
     """Bytes/s Inductor's memory-bound kernels reach in a bf16 GPT training step, counting bytes as
-    the cost model does: the reference GPT's memory-bound traffic (``autopar.planner.op_traffic``
+    the cost model does: the reference GPT's memory-bound traffic (``cost_model.strategy.op_traffic``
     of its ops without FLOPs) over the GPU time of its kernels that are neither matmuls, attention
     nor the optimizer (torch.profiler, ``kernel_breakdown``). CUDA only."""
     from autopar.cost_model.compute import node_flops
     from autopar.examples.gpt import GPT, GPTConfig, example_inputs
     from autopar.passes.capture import capture_pass
-    from autopar.planner import VIEW_OPS, op_traffic
 
     cfg = GPTConfig(**_REFERENCE_GPT)
     with torch.device("meta"):

@@ -17,7 +17,7 @@ A profile may carry what was measured, and the cost model then prices with it:
   priced as a matmul.
 - ``launch_overhead``: the shortest time any kernel takes, a floor under every op's time.
 - ``fused_bandwidth``: bytes/s that Inductor's generated memory-bound kernels reach, counting
-  bytes as the cost model does (``autopar.planner.op_traffic``); the HBM copy bandwidth when 0.
+  bytes as the cost model does (``cost_model.strategy.op_traffic``); the HBM copy bandwidth when 0.
 - ``optimizer_bandwidth``: bytes/s of the fused AdamW update (7 fp32 reads and writes per
   parameter, ``cost_model.compute.update_time``); the HBM copy bandwidth when 0.
 - ``collective_fits``: alpha-beta fits per collective kind and network tier, used instead of

@@ -25,6 +25,7 @@ import math
 import operator
 from itertools import accumulate
 
+import numpy as np
 import torch
 from torch.fx import Node
 
@@ -353,3 +354,32 @@ def backward_excess(nodes, kept: dict, strategies: dict, size: int, grads: dict,
                    if dtype is not None and dtype.itemsize < 4 else 0.0)
         out.append((n, alive + arrived + backward_transient(n, strategies, size) + weights - total))
     return out
+
+
+def param_state(cap, strategies, fqns, tp: int, dp: int, zero: int, working_copy: float):
+    """(parameter bytes with a 16-bit step's working copy, gradient bytes, optimizer bytes) one
+    rank holds of the parameters ``fqns``: their local shards under ``strategies``, Adam's two
+    fp32 moments sharded over dp under ZeRO-1; ``working_copy`` as
+    ``autopar.precision.working_copy_ratio``."""
+    params = 0.0
+    for fqn in fqns:
+        node = cap.params[fqn]
+        v = node.meta["val"]
+        params += float(np.prod(local_shape(tuple(v.shape), strategies[node].output, tp))) * v.element_size()
+    optimizer = 2 * params / (dp if zero else 1)   # Adam's two moments, fp32 like the weights here
+    return params * (1 + working_copy), params, optimizer
+
+
+def stage_terms(cap, strategies, mesh, nodes, regions, *, zero: int, microbatches: int, working_copy: float):
+    """(params, gradients held through the forward, optimizer, one microbatch's activations,
+    [(node, backward excess)]) of one stage's ``nodes`` with ``regions`` recomputed: the terms
+    of its peak (``autopar.memory_plan.memory_breakdown``)."""
+    held = microbatches > 1   # gradients accumulate over the step's microbatches
+    members = set(nodes)
+    fqns = [f for f, p in cap.params.items() if any(u in members for u in p.users)]
+    params, grads, opt = param_state(cap, strategies, fqns, mesh.tp, mesh.dp, zero, working_copy)
+    mine = [r for r in regions if r and r[0] in members]
+    kept = compiled_kept(nodes, strategies, mesh.tp, mine)
+    per_param = {cap.params[f]: param_state(cap, strategies, [f], mesh.tp, mesh.dp, zero, working_copy)[1] for f in fqns}
+    excess = backward_excess(nodes, kept, strategies, mesh.tp, per_param, held)
+    return params, grads if held else 0.0, opt, sum(kept.values()), excess

@@ -16,7 +16,7 @@ How it is built
 
 2. Per-node records, each a polynomial in (b, S). The numeric model prices a plan from a few
    quantities per node or per stage: an op's FLOPs and bytes moved under its strategy
-   (``planner.strategy_work``), the rows of a collective inside it, the bytes of each tp
+   (``cost_model.strategy.strategy_work``), the rows of a collective inside it, the bytes of each tp
    collective between ops, the bytes crossing each pipeline cut, each stage's parameter,
    gradient, optimizer and activation bytes, each op's backward excess. Tensor sizes are
    products of dims, each dim a product of b, S and constants, and FLOPs are products of sizes,
@@ -51,9 +51,16 @@ import torch
 from torch.fx import Node
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autopar.passes.rules import shape
+from autopar.placement import local_shape
+
 from .comm import axis_is_inter_node, collective_time
 from .compute import attention_kind, compute_time
 from .devices import DeviceSpec, get_device
+from .memory import VIEW_OPS, stage_terms
+from .stages import OP_OVERHEAD, inflight_microbatches, pipeline_time, rank_param_bytes, unit_costs
+from .step import dp_sync_time, plan_update_time, step_time
+from .strategy import comm_bytes, strategy_work, tp_collectives
 
 # Degrees of every record in (b, S); the fit is checked, so a model outside them is reported.
 _DEG_B, _DEG_S = 1, 2
@@ -83,9 +90,14 @@ class CostExpr:
         return float(self.step_time.subs(env)), float(self.peak_memory.subs(env))
 
 
-def cost_expr(model: torch.nn.Module, plan, example_inputs=None, *, device: str | DeviceSpec | None = None,
+def cost_expr(model: torch.nn.Module, plan, layout, example_inputs=None, *, device: str | DeviceSpec | None = None,
               gpus_per_node: int = 8) -> CostExpr:
     """Step time and peak memory of ``plan`` for ``model`` as sympy expressions in B and S.
+
+    ``layout(cap, plan)``: the plan's decisions on a capture of the model, (strategy per node,
+    layer units, node name -> stage; the last two empty without stages), as
+    ``autopar.pipeline.plan_layout`` reads them; it is given, not imported, because the
+    strategies and the units are the planner's, which the cost model does not import.
 
     ``example_inputs``: tensors whose dtypes (and dims past the second) the inputs have; by
     default every input is int64 token ids of the plan's input shapes. Dim 0 of every input is
@@ -113,28 +125,27 @@ def cost_expr(model: torch.nn.Module, plan, example_inputs=None, *, device: str 
     graph = _SymbolicGraph(cap, b, S)
     graph.retype(plan.precision, max(b0, 2), max(s0, 2))
 
-    rec, structure = _fit(graph, plan, mesh, dev, gpus_per_node, b0, s0)
+    rec, structure = _fit(graph, plan, layout, mesh, dev, gpus_per_node, b0, s0)
     compute, comm = _step_time(rec, structure, plan, mesh, dev, gpus_per_node)
     stage_memory = _stage_memory(rec, structure)
     B = sympy.Symbol("B", positive=True, integer=True)
     to_global = {b: B / (mesh.dp * plan.microbatches)}
     compute, comm = compute.subs(to_global), comm.subs(to_global)
     stage_memory = tuple(m.subs(to_global) for m in stage_memory)
-    from autopar.api import plan_update_time
     update = sympy.Float(plan_update_time(plan, dev))
-    return CostExpr(compute + comm + update, compute, comm, update, _max(stage_memory), stage_memory, B, S,
+    return CostExpr(step_time(compute, [comm], update), compute, comm, update, _max(stage_memory), stage_memory, B, S,
                     (b0 * mesh.dp * plan.microbatches, s0))
 
 
-def _fit(graph: "_SymbolicGraph", plan, mesh, dev: DeviceSpec, gpus_per_node: int, b0: int, s0: int):
+def _fit(graph: "_SymbolicGraph", plan, layout, mesh, dev: DeviceSpec, gpus_per_node: int, b0: int, s0: int):
     """Every record as a polynomial in (b, S), fitted on a grid and checked at the plan's (b0, s0),
     and what does not depend on the sizes."""
     b, S = graph.b, graph.S
     q = mesh.tp   # grid sizes divisible by tp, so every shard is even there
     bs = [k * q for k in range(2, 5) if k * q != b0][:_DEG_B + 1]
     ss = [k * q for k in range(2, 6) if k * q != s0][:_DEG_S + 1]
-    grid = {(x, y): _records(graph.at(x, y), plan, mesh, gpus_per_node)[0] for x in bs for y in ss}
-    check, structure = _records(graph.at(b0, s0), plan, mesh, gpus_per_node, dev=dev)
+    grid = {(x, y): _records(graph.at(x, y), plan, layout, mesh, gpus_per_node)[0] for x in bs for y in ss}
+    check, structure = _records(graph.at(b0, s0), plan, layout, mesh, gpus_per_node, dev=dev)
     for (x, y), values in grid.items():
         if values.keys() != check.keys():
             raise ValueError(f"the model's graph at batch {x}, sequence {y} prices different ops than at "
@@ -218,17 +229,19 @@ class _SymbolicGraph:
         return self.cap
 
     def retype(self, precision: str, b: int, S: int) -> None:
-        """Give every value the dtype ``autopar.precision.retype_pass`` gives it at ``precision``.
+        """Give every value the dtype ``autopar.passes.precision.retyped`` gives it at ``precision``.
 
         Dtypes do not depend on sizes, so one propagation, at (b, S), serves every size."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from autopar.precision import retype_pass
+        from autopar.passes.precision import retyped
 
         self.at(b, S, mode=FakeTensorMode())
-        retype_pass(self.cap, precision)
+        typed = retyped(self.cap, precision)   # a copy: this graph re-sizes its own capture, which takes its dtypes
+        self.cap.gm.meta.update(typed.gm.meta)
+        typed_nodes = {n.name: n for n in typed.gm.graph.nodes}
         for node, (leaves, spec) in self.shapes.items():
-            vals = tree_flatten(node.meta["val"])[0]
+            vals = tree_flatten(typed_nodes[node.name].meta["val"])[0]
             self.shapes[node] = ([_Shape(x.dims, v.dtype) if isinstance(x, _Shape) else x
                                   for x, v in zip(leaves, vals)], spec)
 
@@ -245,18 +258,14 @@ def _expr(d) -> sympy.Expr:
     return sympy.sympify(d.node.expr) if isinstance(d, torch.SymInt) else sympy.Integer(int(d))
 
 
-def _records(cap, plan, mesh, gpus_per_node: int, dev: DeviceSpec | None = None) -> tuple[dict, dict]:
+def _records(cap, plan, layout, mesh, gpus_per_node: int, dev: DeviceSpec | None = None) -> tuple[dict, dict]:
     """The numeric model's per-node and per-stage quantities at the capture's current sizes
     ({key: number}), and what does not depend on the sizes (dtypes, collective kinds, stages;
     with ``dev``, the seconds of the data-parallel gradient sync)."""
-    from autopar.cost_model.memory import VIEW_OPS
-    from autopar.memory_plan import stage_terms
-    from autopar.planner import enumerate_strategies, strategies_from_plan, strategy_work, tp_collectives
-    from autopar.passes.rules import shape
-    from autopar.stage_dp import inflight_microbatches
+    from autopar.precision import working_copy_ratio
 
-    options = enumerate_strategies(cap, mesh.tp, "auto")
-    strategies = strategies_from_plan(cap, options, plan)
+    strategies, units, where = layout(cap, plan)
+    working_copy = working_copy_ratio(cap)
     calls = [n for n in cap.gm.graph.nodes if n.op == "call_function"]
     rec, structure = {}, {"ops": {}, "tp": [], "calls": [n.name for n in calls]}
     for n in calls:
@@ -276,15 +285,14 @@ def _records(cap, plan, mesh, gpus_per_node: int, dev: DeviceSpec | None = None)
     regions = [[{n.name: n for n in calls}[name] for name in region] for region in plan.recompute_regions]
     stage_nodes = inflight = None
     if plan.stages:
-        structure.update(_pipeline(cap, strategies, plan, mesh, gpus_per_node, rec))
-        where = structure["stage_of"]
+        structure.update(_pipeline(cap, strategies, units, where, plan, mesh, gpus_per_node, working_copy, rec))
         stage_nodes = [[n for n in calls if where.get(n.name, len(plan.stages) - 1) == s]
                        for s in range(len(plan.stages))]
         inflight = inflight_microbatches(mesh.pp, plan.microbatches, plan.virtual_stages, plan.schedule)
     structure["excess_nodes"] = []
     for s, nodes in enumerate(stage_nodes or [calls]):
         params, grads, opt, act, excess = stage_terms(cap, strategies, mesh, nodes, regions, zero=plan.zero,
-                                                      microbatches=plan.microbatches)
+                                                      microbatches=plan.microbatches, working_copy=working_copy)
         terms = dict(params=params, grads=grads, optimizer=opt, activations=act * (inflight[s] if inflight else 1))
         for field, value in terms.items():
             rec[("memory", s, field)] = value
@@ -292,20 +300,18 @@ def _records(cap, plan, mesh, gpus_per_node: int, dev: DeviceSpec | None = None)
             rec[("excess", n.name)] = value
         structure["excess_nodes"].append([n.name for n, _ in excess])
     if dev is not None:
-        structure["dp_sync"] = _dp_sync(cap, strategies, plan, mesh, dev, gpus_per_node)
+        structure["dp_sync"] = _dp_sync(cap, strategies, units, structure.get("bounds"), plan, mesh, dev,
+                                        gpus_per_node, working_copy)
     return rec, structure
 
 
-def _pipeline(cap, strategies, plan, mesh, gpus_per_node: int, rec: dict) -> dict:
-    """Units, stage bounds, the pipeline's static bytes (constant) and its cut records."""
-    from autopar.pipeline import layer_units, stage_of_nodes, unit_costs
-
-    units = layer_units(cap)
+def _pipeline(cap, strategies, units, where, plan, mesh, gpus_per_node: int, working_copy: float, rec: dict) -> dict:
+    """Units, stage bounds and the pipeline's cut records."""
     # unit_costs gives a cut's seconds as 2 * bytes / link bandwidth: on links of 2 bytes/s they are
     # the bytes themselves, which are the record (the plan's device prices them afterwards).
     link = dataclasses.replace(get_device("cpu"), intra_node_bw=2.0, inter_node_bw=2.0)
-    boundary = unit_costs(cap, strategies, units, mesh, link, zero=plan.zero, gpus_per_node=gpus_per_node)[3]
-    where = stage_of_nodes(cap, plan)
+    boundary = unit_costs(cap, strategies, units, mesh, link, zero=plan.zero, gpus_per_node=gpus_per_node,
+                          working_copy=working_copy)[3]
     first = [where[u.nodes[0].name] for u in units]
     bounds = [(first.index(s), len(first) - first[::-1].index(s)) for s in range(len(plan.stages))]
     for k, nbytes in enumerate(boundary):
@@ -313,18 +319,17 @@ def _pipeline(cap, strategies, plan, mesh, gpus_per_node: int, rec: dict) -> dic
     return {"units": [[n.name for n in u.nodes] for u in units], "bounds": bounds, "stage_of": where}
 
 
-def _dp_sync(cap, strategies, plan, mesh, dev: DeviceSpec, gpus_per_node: int) -> float:
-    """Seconds of the gradient sync over dp, as the numeric model prices it (no (b, S) in it)."""
-    from autopar.api import _with_stages
-    from autopar.pipeline import dp_sync_time
-    from autopar.placement import local_shape
-
+def _dp_sync(cap, strategies, units, bounds, plan, mesh, dev: DeviceSpec, gpus_per_node: int,
+             working_copy: float) -> float:
+    """Seconds of the gradient sync over dp, as the numeric model prices it (no (b, S) in it): over
+    the parameters of the busiest pipeline rank, or of the whole model without stages."""
     if plan.stages:
-        return _with_stages(plan, cap, strategies, mesh, dev, schedule=plan.schedule, virtual=plan.virtual_stages,
-                            zero=plan.zero, gpus_per_node=gpus_per_node, memory_budget=None,
-                            stages=[s.modules for s in plan.stages]).predicted_comm_s
-    local = sum(float(torch.Size(local_shape(tuple(n.meta["val"].shape), strategies[n].output, mesh.tp)).numel())
-                * n.meta["val"].element_size() for n in cap.params.values())
+        static = unit_costs(cap, strategies, units, mesh, dev, zero=plan.zero, gpus_per_node=gpus_per_node,
+                            working_copy=working_copy)[1]
+        local = rank_param_bytes(static, bounds, mesh, plan.zero, working_copy)
+    else:
+        local = sum(float(torch.Size(local_shape(tuple(n.meta["val"].shape), strategies[n].output, mesh.tp)).numel())
+                    * n.meta["val"].element_size() for n in cap.params.values())
     return dp_sync_time(local, mesh, dev, plan.zero, gpus_per_node)
 
 
@@ -367,9 +372,6 @@ def _max(terms) -> sympy.Expr:
 
 def _step_time(rec: dict, st: dict, plan, mesh, dev: DeviceSpec, gpus_per_node: int):
     """(compute, communication) seconds in (b, S), as the numeric model adds them up."""
-    from autopar.pipeline import OP_OVERHEAD
-    from autopar.planner import _comm_bytes
-
     tp, m = mesh.tp, plan.microbatches
     tp_inter = axis_is_inter_node(tp, 1, gpus_per_node)
 
@@ -379,7 +381,7 @@ def _step_time(rec: dict, st: dict, plan, mesh, dev: DeviceSpec, gpus_per_node: 
         dtype, kinds, causal = st["ops"][name]
         t = compute_time(rec[("flops", name)], rec[("bytes", name)], dev, dtype, causal)
         if with_comm:
-            t += _sum(collective_time(k, _comm_bytes(k, rec[("rows", name)], tp), tp, dev, tp_inter) for k in kinds)
+            t += _sum(collective_time(k, comm_bytes(k, rec[("rows", name)], tp), tp, dev, tp_inter) for k in kinds)
         return t
 
     tp_time = [collective_time(kind, rec[("tp", i)], tp, dev, tp_inter) for i, (kind, _) in enumerate(st["tp"])]
@@ -400,12 +402,7 @@ def _step_time(rec: dict, st: dict, plan, mesh, dev: DeviceSpec, gpus_per_node: 
         if s > 0:
             terms.append(2 * rec[("cut", a - 1)] / bw)
         stage_times.append(_sum(terms))
-    p, v = mesh.pp, plan.virtual_stages
-    if v == 1:
-        step = _sum(stage_times) + (m - 1) * _max(stage_times)
-    else:
-        ranks = [_sum(stage_times[r::p]) for r in range(p)]
-        step = m * _max(ranks) + (p - 1) * _max(stage_times)
+    step = pipeline_time(stage_times, mesh.pp, m, plan.virtual_stages, add=_sum, maximum=_max)
     return step, sympy.Float(st["dp_sync"])
 
 

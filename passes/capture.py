@@ -28,7 +28,8 @@ from __future__ import annotations
 import functools
 import re
 import warnings
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.export.graph_signature import InputKind
@@ -48,6 +49,15 @@ class Captured:
     buffers: dict[str, Node] = field(default_factory=dict)   # buffers and lifted constants
     loss: Node | None = None
     constants: dict[str, torch.Tensor] = field(default_factory=dict)   # a lifted constant's FQN -> value
+
+    def with_graph(self, gm: GraphModule) -> Captured:
+        """This capture on ``gm``, a rewrite of its graph (a pass's output) that keeps the names of
+        its placeholders and loss; the capture itself is left as it is."""
+        by_name = {n.name: n for n in gm.graph.nodes}
+        return replace(self, gm=gm, params={f: by_name[n.name] for f, n in self.params.items()},
+                       buffers={f: by_name[n.name] for f, n in self.buffers.items()},
+                       inputs=[by_name[n.name] for n in self.inputs],
+                       loss=by_name[self.loss.name] if self.loss is not None else None)
 
     def param_of(self, node: Node) -> str | None:
         return node.meta.get("fqn") if node.op == "placeholder" and node.meta.get("kind") == "param" else None
@@ -358,6 +368,21 @@ def _split_addmm_bias(gm: GraphModule) -> None:
                             nn_module_stack=node.meta.get("nn_module_stack"))
         node.replace_all_uses_with(add)
         gm.graph.erase_node(node)
+
+
+def graph_cached(fn):
+    """``fn(cap, *args)`` computed once per captured graph and arguments. A capture is never
+    changed (passes return new graphs), so what is derived from it holds while it lives; the mesh
+    search plans one capture on every candidate mesh. Callers must not change what it returns."""
+    cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @functools.wraps(fn)
+    def cached(cap, *args):
+        per_graph = cache.setdefault(cap.gm, {})
+        if args not in per_graph:
+            per_graph[args] = fn(cap, *args)
+        return per_graph[args]
+    return cached
 
 
 def input_free(graph: torch.fx.Graph) -> set[Node]:

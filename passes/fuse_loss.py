@@ -19,7 +19,7 @@ reduce-scattered back, as gathered_linear does. The view chain must end in (N, V
 linear's output width, so that row i of the logits is row i of the flattened hidden states;
 when a shape cannot be read from the graph the pattern is left alone. Anything else (a bias,
 class weights, label smoothing, per-token losses on an unsharded graph) is left unfused.
-The graph is rewritten in place and returned.
+Both passes rewrite a copy of the graph and return it.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from autopar import collectives as C
 from autopar import ops
 from autopar.kernels.cross_entropy import cross_entropy
 from autopar.kernels.fused_linear_ce import vocab_parallel_linear_cross_entropy
+from autopar.passes.driver import copy_graph
 from autopar.placement import padded_size
 
 aten = torch.ops.aten
@@ -43,43 +44,43 @@ _VP_SIGNATURE = inspect.signature(ops.vocab_parallel_cross_entropy)
 _REDUCTION_NAMES = {0: "none", 1: "mean", 2: "sum"}
 
 
-def fuse_loss_pass(gm: GraphModule, plan=None, *, chunk: int = 0) -> GraphModule:
+def fuse_loss_pass(gm: GraphModule, *, chunk: int = 0) -> GraphModule:
     """Replace head linear -> views -> cross-entropy with the fused chunked linear cross-entropy.
 
-    ``plan`` is accepted for the pass driver's uniform signature; the rewrite reads only the
-    graph. ``chunk``: vocabulary columns per chunk of the fused op (0: its default)."""
-    for node in list(gm.graph.nodes):
+    ``chunk``: vocabulary columns per chunk of the fused op (0: its default)."""
+    out = copy_graph(gm)
+    for node in list(out.graph.nodes):
         if node.op != "call_function":
             continue
         if node.target is aten.cross_entropy_loss.default:
-            _fuse_captured(gm, node, chunk)
+            _fuse_captured(out, node, chunk)
         elif node.target is ops.vocab_parallel_cross_entropy:
-            _fuse_sharded(gm, node, chunk)
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+            _fuse_sharded(out, node, chunk)
+    out.graph.lint()
+    out.recompile()
+    return out
 
 
-def cross_entropy_kernel_pass(gm: GraphModule, plan=None) -> GraphModule:
+def cross_entropy_kernel_pass(gm: GraphModule) -> GraphModule:
     """Replace aten.cross_entropy_loss over 2-D logits with autopar.kernels.cross_entropy.
 
     Only plain losses are rewritten (no class weights or label smoothing); the logits reach the
-    kernel in their own dtype, which reads them once and computes in fp32. The graph is rewritten
-    in place and returned; ``plan`` is accepted for the pass driver's uniform signature."""
-    for ce in list(gm.graph.nodes):
+    kernel in their own dtype, which reads them once and computes in fp32."""
+    out = copy_graph(gm)
+    for ce in list(out.graph.nodes):
         if ce.op != "call_function" or ce.target is not aten.cross_entropy_loss.default:
             continue
         args = dict(_CE_DEFAULTS, **dict(zip(_CE_ARGS, ce.args)), **ce.kwargs)
         if (args["weight"] is not None or args["label_smoothing"] != 0.0 or args["reduction"] not in _REDUCTION_NAMES
                 or not _two_dim(args["self"])):
             continue
-        with gm.graph.inserting_before(ce):
-            loss = gm.graph.call_function(cross_entropy, (args["self"], args["target"], args["ignore_index"],
-                                                          _REDUCTION_NAMES[args["reduction"]]))
-        _replace(gm, ce, loss, [])
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+        with out.graph.inserting_before(ce):
+            loss = out.graph.call_function(cross_entropy, (args["self"], args["target"], args["ignore_index"],
+                                                           _REDUCTION_NAMES[args["reduction"]]))
+        _replace(out, ce, loss, [])
+    out.graph.lint()
+    out.recompile()
+    return out
 
 
 def _two_dim(logits: Node) -> bool:

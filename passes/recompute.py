@@ -12,22 +12,25 @@ import operator
 from torch.fx import Graph, GraphModule, Node
 from torch.utils.checkpoint import checkpoint
 
+from autopar.passes.driver import copy_graph
+
 
 def run_checkpointed(fn, *args):
     """fn(*args), its activations recomputed in backward instead of kept."""
     return checkpoint(fn, *args, use_reentrant=False)
 
 
-def recompute_pass(gm: GraphModule, regions: list[set[str]]) -> GraphModule:
+def recompute_pass(gm: GraphModule, *, regions: list[set[str]]) -> GraphModule:
     """Wrap each region (a set of global node names, matched by ``meta["origin"]``) in a checkpoint."""
+    out = copy_graph(gm)
     for k, names in enumerate(regions):
-        members = [n for n in gm.graph.nodes if n.op == "call_function"
+        members = [n for n in out.graph.nodes if n.op == "call_function"
                    and n.meta.get("origin", n.name) in names]
         if members:
-            _wrap(gm, members, f"recompute_{k}")
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+            _wrap(out, members, f"recompute_{k}")
+    out.graph.lint()
+    out.recompile()
+    return out
 
 
 def _wrap(gm: GraphModule, members: list[Node], name: str) -> None:

@@ -25,7 +25,7 @@ class _Rank:
         self.size, self.rank, self.group = size, rank, group
 
 
-def shard_pass(gm: GraphModule, strategies: dict[Node, Strategy], *, size: int, rank: int,
+def shard_pass(gm: GraphModule, *, strategies: dict[Node, Strategy], size: int, rank: int,
                group: str) -> GraphModule:
     """Rewrite ``gm`` into rank ``rank``'s local program on a tp axis of ``size`` ranks."""
     me = _Rank(size, rank, group)

@@ -47,11 +47,20 @@ def parallel_run(rank, world, mesh, knobs, cfg=TINY, steps=0, lr=1e-3, batch=BAT
     loss = pm.train_step(idx, tgt).item()
     grads = pm.full_grads() if not knobs.get("zero") else None
     curve = []
-    if steps:
-        pm = autopar.parallelize(make_model(cfg), mesh, (idx, tgt), **knobs)
+    if steps:   # the step above left the weights as they were: the same model trains on
         opt = pm.optimizer(torch.optim.AdamW, lr=lr)
         for _ in range(steps):
             opt.zero_grad()
             curve.append(pm.train_step(idx, tgt).item())
             opt.step()
     return loss, grads, curve, pm.plan.to_json()
+
+
+def pm_curve(pm, opt, inputs, steps: int) -> list[float]:
+    """The losses of ``steps`` steps of ``opt`` on the ParallelModel ``pm``, one batch."""
+    curve = []
+    for _ in range(steps):
+        opt.zero_grad()
+        curve.append(pm.train_step(*inputs).item())
+        opt.step()
+    return curve

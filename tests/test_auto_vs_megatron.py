@@ -17,7 +17,7 @@ import torch
 import autopar
 from autopar.examples.gpt import build
 from autopar.ilp import brute_force, evaluate, solve_strategies
-from autopar.planner import LAUNCH_OVERHEAD
+from autopar.cost_model.strategy import LAUNCH_OVERHEAD
 
 transformers = pytest.importorskip("transformers")
 from autopar.hf import causal_lm_loss  # noqa: E402
@@ -150,7 +150,8 @@ def test_the_solver_minimises_what_the_plan_is_priced_at(models, name, mesh):
     from autopar.api import decide
     from autopar.cost_model import get_device
     from autopar.mesh import Mesh
-    from autopar.planner import enumerate_strategies, param_byte_time, solve
+    from autopar.cost_model.step import param_byte_time
+    from autopar.planner import enumerate_strategies, solve
 
     model, x = models[name]
     cap, strategies, plan = decide(model, mesh, x, device="h100")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 import autopar
 from autopar.examples.gpt import GPT, example_inputs
 from autopar.launch import RankError, spawn
+import pool
 from parity import BATCH, SEQ, TINY, make_model
 
 
@@ -104,13 +106,14 @@ def _padded_vocab(rank, world, cfg):
     return parallel_run(rank, world, (1, 1, 2), dict(plan="megatron", sequence_parallel=True, compile=False), cfg=cfg)
 
 
+PADDED_VOCAB = pool.job(2, _padded_vocab, replace(TINY, vocab_size=95), timeout=300)
+
+
 def test_vocab_not_divisible_by_tp_is_padded():
     """GPT-2's 50257 does not divide by tp: the vocabulary is padded and the loss unchanged."""
-    from dataclasses import replace
     from parity import reference
-    cfg = replace(TINY, vocab_size=95)
-    ref_loss, ref_grads, _ = reference(cfg)
-    for loss, grads, _, plan in spawn(_padded_vocab, 2, cfg, timeout=300):
+    ref_loss, ref_grads, _ = reference(PADDED_VOCAB.args[0])
+    for loss, grads, _, plan in PADDED_VOCAB.result():
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         for name, g in ref_grads.items():
             torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6)

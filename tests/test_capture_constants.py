@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.examples.gpt import GPT, Block
-from autopar.launch import spawn
+import pool
 from parity import BATCH, SEQ, TINY, example_inputs
 
 transformers = pytest.importorskip("transformers")
@@ -119,9 +119,12 @@ def _rank_all(rank, world, cases):
     return out
 
 
+JOBS = {w: pool.job(w, _rank_all, cases) for w, cases in CASES.items()}
+
+
 @pytest.fixture(scope="module")
 def results():
-    return {w: spawn(_rank_all, w, cases, timeout=600) for w, cases in CASES.items()}
+    return {w: j.result() for w, j in JOBS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +165,5 @@ def test_hugging_face_cache_is_named_once(results):
                 assert len(said) == 1 and "autopar.hf.causal_lm_loss" in said[0], said
             else:
                 assert not said
+            for rank, per_case in enumerate(results[world][1:], start=1):   # rank 0 planned; the others are quiet
+                assert not [m for m in per_case[i][3] if "use_cache=False" in m], (rank, IDS[i])

@@ -2,10 +2,12 @@
 ZeRO-1, then on one rank, must follow the uninterrupted single-device AdamW loss curve; resuming on the
 same mesh must be bitwise; the exported state_dict must load into the unsharded GPT.
 
-The three 4-rank meshes share one spawn (process start-up dominates); the 1-rank mesh has its own."""
+The three 4-rank meshes share one spawn, the session's pool (process start-up dominates); the 1-rank
+mesh reads their checkpoints in a spawn of its own."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from autopar.checkpoint import (CheckpointMismatchError, _flat_boxes, _global_pi
 from autopar.examples.gpt import GPT, example_inputs
 from autopar.launch import spawn
 from autopar.placement import R, Shard, shard_tensor
+import pool
 from parity import BATCH, SEQ, TINY, make_model, train_curve
 
 LR = 1e-3
@@ -90,10 +93,17 @@ def _one_rank(rank, world, root):
     return out
 
 
+def _four_in(rank, world, workdir):
+    return _four_ranks(rank, world, Path(workdir))
+
+
+FOUR = pool.job(4, _four_in, workdir=True)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    four = spawn(_four_ranks, 4, root, timeout=600)
+def runs():
+    four = FOUR.result()
+    root = Path(FOUR.path)   # what the four ranks saved, for the one rank to read
     one = spawn(_one_rank, 1, root, timeout=300)[0]
     return root, four, one
 

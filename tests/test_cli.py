@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -15,9 +16,59 @@ def _autopar(*args, timeout=120, cwd=None):
                           timeout=timeout, env=env, cwd=cwd)
 
 
-def test_plan_gpt2_prints_placements_and_step_time(tmp_path):
-    out = tmp_path / "plan.json"
-    r = _autopar("plan", "gpt2", "--mesh", "1,1,4", "--batch", "8", "--seq", "1024", "--out", str(out))
+MYMODEL = ("from autopar.examples.gpt import GPT, GPTConfig\n"
+           "def make():\n"
+           "    return GPT(GPTConfig(vocab_size=1000, block_size=256, n_layer=3, n_head=8, n_embd=256))\n")
+CPUMODEL = ("import torch\n"
+            "from autopar.examples.gpt import GPT, GPTConfig\n"
+            "def make():\n"
+            "    with torch.device('cpu'):\n"
+            "        return GPT(GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_embd=32))\n")
+BAD_MESHES = {"1,1,5": ["tp=5", "12 attention heads", "valid tp", "1, 2, 3, 4, 6, 12"],
+              "1,16,1": ["cannot be split into at least pp=16 microbatches", "multiple of 16"]}
+
+
+def _commands(d):
+    """Every command of this file, by name: (arguments, timeout, working directory); ``d`` is a directory."""
+    return {
+        "gpt2": (["plan", "gpt2", "--mesh", "1,1,4", "--batch", "8", "--seq", "1024", "--out", str(d / "gpt2.json")],
+                 120, None),
+        "precision": (["plan", "gpt2", "--mesh", "1,1,2", "--batch", "8", "--seq", "128", "--precision", "bf16",
+                       "--out", str(d / "bf16.json")], 120, None),
+        **{f"bad-{mesh}": (["plan", "gpt2", "--mesh", mesh, "--batch", "8", "--seq", "128"], 120, None)
+           for mesh in BAD_MESHES},
+        "demo": (["demo", "--mesh", "1,1,2", "--steps", "3", "--out", "plan.json"], 240, d / "demo"),
+        "html": (["plan", f"{d / 'mymodel.py'}:make", "--mesh", "1,1,4", "--batch", "8", "--html", str(d / "plan.html")],
+                 120, None),
+        "missing": (["plan", f"{d / 'mymodel.py'}:missing", "--mesh", "1,1,4"], 120, None),
+        "cpu": (["plan", f"{d / 'cpumodel.py'}:make", "--mesh", "1,1,2", "--batch", "4", "--out", str(d / "cpu.json")],
+                120, None),
+    }
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    """Each command is its own Python start-up, mostly imports on one core: they run two at a time,
+    from the first test on. ``cli(name)`` waits for one; ``cli.dir`` holds their files."""
+    d = tmp_path_factory.mktemp("cli")
+    (d / "demo").mkdir()
+    (d / "mymodel.py").write_text(MYMODEL)
+    (d / "cpumodel.py").write_text(CPUMODEL)
+    workers = ThreadPoolExecutor(2)
+    running = {name: workers.submit(_autopar, *args, timeout=timeout, cwd=cwd)
+               for name, (args, timeout, cwd) in _commands(d).items()}
+
+    def result(name):
+        return running[name].result()
+
+    result.dir = d
+    yield result
+    workers.shutdown(cancel_futures=True)
+
+
+def test_plan_gpt2_prints_placements_and_step_time(cli):
+    out = cli.dir / "gpt2.json"
+    r = cli("gpt2")
     assert r.returncode == 0, r.stderr
     assert "autopar plan (auto) for mesh dp=1 pp=1 tp=4 on h100" in r.stdout
     assert "S(0)" in r.stdout                                    # a sharded parameter
@@ -30,10 +81,9 @@ def test_plan_gpt2_prints_placements_and_step_time(tmp_path):
     assert plan.mesh == (1, 1, 4) and plan.predicted_step_time > 0
 
 
-def test_plan_takes_the_precision(tmp_path):
-    out = tmp_path / "plan.json"
-    r = _autopar("plan", "gpt2", "--mesh", "1,1,2", "--batch", "8", "--seq", "128", "--precision", "bf16",
-                 "--out", str(out))
+def test_plan_takes_the_precision(cli):
+    out = cli.dir / "bf16.json"
+    r = cli("precision")
     assert r.returncode == 0, r.stderr
     assert "precision bf16 compute" in r.stdout
 
@@ -41,12 +91,9 @@ def test_plan_takes_the_precision(tmp_path):
     assert Plan.from_json(out).precision == "bf16"
 
 
-@pytest.mark.parametrize("mesh, words", [
-    ("1,1,5", ["tp=5", "12 attention heads", "valid tp", "1, 2, 3, 4, 6, 12"]),
-    ("1,16,1", ["cannot be split into at least pp=16 microbatches", "multiple of 16"]),
-])
-def test_plan_bad_mesh_is_one_line_and_exit_2(mesh, words):
-    r = _autopar("plan", "gpt2", "--mesh", mesh, "--batch", "8", "--seq", "128")
+@pytest.mark.parametrize("mesh, words", list(BAD_MESHES.items()))
+def test_plan_bad_mesh_is_one_line_and_exit_2(cli, mesh, words):
+    r = cli(f"bad-{mesh}")
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
@@ -55,8 +102,8 @@ def test_plan_bad_mesh_is_one_line_and_exit_2(mesh, words):
     assert "Traceback" not in r.stderr
 
 
-def test_demo_trains_and_prints_plan_and_losses(tmp_path):
-    r = _autopar("demo", "--mesh", "1,1,2", "--steps", "3", "--out", "plan.json", timeout=240, cwd=tmp_path)
+def test_demo_trains_and_prints_plan_and_losses(cli):
+    r = cli("demo")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "autopar plan (auto) for mesh dp=1 pp=1 tp=2 on cpu" in r.stdout
     assert "Predicted step time" in r.stdout
@@ -67,33 +114,23 @@ def test_demo_trains_and_prints_plan_and_losses(tmp_path):
     first, last = float(m.group(1)), float(m.group(2))
     assert first == float(steps[0][1]) and last == float(steps[-1][1])
     assert last < first                                   # three AdamW steps on a fixed batch
-    assert (tmp_path / "plan.json").exists()
+    assert (cli.dir / "demo" / "plan.json").exists()
 
 
-def test_plan_a_user_module_with_html(tmp_path):
+def test_plan_a_user_module_with_html(cli):
     """`plan path.py:factory` builds the user's model on the meta device; --html writes the view."""
-    src = tmp_path / "mymodel.py"
-    src.write_text("from autopar.examples.gpt import GPT, GPTConfig\n"
-                   "def make():\n"
-                   "    return GPT(GPTConfig(vocab_size=1000, block_size=256, n_layer=3, n_head=8, n_embd=256))\n")
-    html = tmp_path / "plan.html"
-    r = _autopar("plan", f"{src}:make", "--mesh", "1,1,4", "--batch", "8", "--html", str(html))
+    html = cli.dir / "plan.html"
+    r = cli("html")
     assert r.returncode == 0, r.stderr
     assert "predicted MFU" in r.stdout and html.read_text().startswith("<!DOCTYPE html>")
-    r = _autopar("plan", f"{src}:missing", "--mesh", "1,1,4")
+    r = cli("missing")
     assert r.returncode == 2 and "has no function 'missing'" in r.stderr
 
 
-def test_plan_a_factory_that_builds_on_the_cpu(tmp_path):
+def test_plan_a_factory_that_builds_on_the_cpu(cli):
     """A factory that picks the CPU itself is planned as if built on meta, its tied weights still tied."""
-    src = tmp_path / "cpumodel.py"
-    src.write_text("import torch\n"
-                   "from autopar.examples.gpt import GPT, GPTConfig\n"
-                   "def make():\n"
-                   "    with torch.device('cpu'):\n"
-                   "        return GPT(GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_embd=32))\n")
-    out = tmp_path / "plan.json"
-    r = _autopar("plan", f"{src}:make", "--mesh", "1,1,2", "--batch", "4", "--out", str(out))
+    out = cli.dir / "cpu.json"
+    r = cli("cpu")
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopar.launch import spawn
+import pool
 
 
 def _cases(rank: int, world: int):
@@ -54,8 +54,11 @@ def _grads(rank: int, world: int):
     return out
 
 
+GRADS = pool.job(2, _grads, timeout=300)
+
+
 def test_wrappers_keep_their_gradients_under_compile():
-    for per_rank in spawn(_grads, 2, timeout=300):
+    for per_rank in GRADS.result():
         for name, (eager, compiled) in per_rank.items():
             assert eager.abs().sum() > 0, name
             torch.testing.assert_close(compiled, eager, msg=lambda m: f"{name}: {m}")

@@ -9,6 +9,7 @@ import torch
 import autopar
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.launch import spawn
+from parity import pm_curve
 
 # Dropout on, so the training steps draw random numbers too.
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=0.1)
@@ -20,13 +21,7 @@ def _losses(seed):
     tokens = torch.randint(0, CFG.vocab_size, (4, 17))
     idx, tgt = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     pm = autopar.parallelize(model, (1, 1, 2), (idx, tgt), compile="aot_eager")
-    opt = pm.optimizer(torch.optim.AdamW, lr=1e-2)
-    losses = []
-    for _ in range(5):
-        opt.zero_grad()
-        losses.append(pm.train_step(idx, tgt).item())
-        opt.step()
-    return losses
+    return pm_curve(pm, pm.optimizer(torch.optim.AdamW, lr=1e-2), (idx, tgt), 5)
 
 
 def _three_runs(rank, world_size):

@@ -8,12 +8,14 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import autopar
+import pool
 from autopar.api import decide
 from autopar.cost_model import DEVICES
 from autopar.examples.gpt import GPT, GPTConfig, build, example_inputs
@@ -195,18 +197,24 @@ def _autopar(*args, timeout=300):
 
 
 def test_cli_flops_tiny_and_gpt3_175b():
-    r = _autopar("flops", "tiny", "--mesh", "1,2,2", "--batch", "8", "--seq", "32", "--step-time", "0.01")
+    # three Python start-ups, mostly imports on one core: two at a time
+    with ThreadPoolExecutor(2) as workers:
+        tiny, big, bad = [workers.submit(_autopar, *args) for args in (
+            ("flops", "tiny", "--mesh", "1,2,2", "--batch", "8", "--seq", "32", "--step-time", "0.01"),
+            ("flops", "gpt3-175b", "--mesh", "1,1,8", "--batch", "8"),
+            ("flops", "tiny", "--mesh", "1,1,3"))]
+    r = tiny.result()
     assert r.returncode == 0, r.stderr
     assert "GPT on mesh dp=1 pp=2 tp=2" in r.stdout and "MFU / HFU" in r.stdout
     assert "Per rank (pp, tp)" in r.stdout and "transformer.h" in r.stdout
     assert "Traceback" not in r.stderr
 
-    r = _autopar("flops", "gpt3-175b", "--mesh", "1,1,8", "--batch", "8")
+    r = big.result()
     assert r.returncode == 0, r.stderr
     assert "174,604,259,328" in r.stdout   # GPT-3 175B with its position embedding, the head tied
     assert re.search(r"counted gpt3-175b \(batch 8, seq 2048\) in [\d.]+ s", r.stdout)
 
-    r = _autopar("flops", "tiny", "--mesh", "1,1,3")
+    r = bad.result()
     assert r.returncode == 2
     assert r.stderr.startswith("error: tp=3 does not divide 4 attention heads") and "Traceback" not in r.stderr
 
@@ -232,10 +240,11 @@ def _counted_steps(rank, world):
     return out
 
 
-def test_rank_flops_match_flopcountermode_on_real_steps():
-    from autopar.launch import spawn
+COUNTED_STEPS = pool.job(2, _counted_steps)
 
-    results = spawn(_counted_steps, 2, timeout=600)
+
+def test_rank_flops_match_flopcountermode_on_real_steps():
+    results = COUNTED_STEPS.result()
     for k, (mesh, knobs) in enumerate(RUNS):
         r = _decided(mesh, EXPLICIT, **knobs)[2]
         rows = {(x.pp, x.tp): x for x in r.ranks}

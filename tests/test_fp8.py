@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autopar.fp8 import (E4M3, E5M2, Fp8Linear, fp8_backend, fp8_linear, fp8_linear_pass, swap_linears,
-                         te_linears, to_fp8)
+from autopar.fp8 import E4M3, E5M2, Fp8Linear, fp8_backend, fp8_linear, swap_linears, te_linears, to_fp8
 from autopar.examples.demo import make_batch
 from autopar.examples.gpt import GPT, GPTConfig
-from autopar.launch import spawn
+from autopar.passes.fp8 import fp8_linear_pass
+import pool
 from parity import train_curve
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
@@ -163,7 +163,7 @@ def test_pass_rewrites_aten_linear_and_keeps_bias():
             return torch.ops.aten.linear.default(torch.ops.aten.linear.default(x, w1, b1), w2)
 
     gm = torch.fx.symbolic_trace(Two())
-    fp8_linear_pass(gm, keep_head=False, emulate=True)
+    gm = fp8_linear_pass(gm, keep_head=False, emulate=True)
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [fp8_linear, fp8_linear]
     torch.manual_seed(0)
     x, w1, b1, w2 = torch.randn(16, 32), torch.randn(16, 32), torch.randn(16), torch.randn(32, 16)
@@ -188,11 +188,14 @@ def _autopar_fp8(rank, world):
     return out
 
 
+AUTOPAR_FP8 = pool.job(2, _autopar_fp8)
+
+
 def test_autopar_tp2_graph_trains_in_fp8():
     """On autopar's sharded graph (tp=2) the pass finds the linears; the loss tracks the fp32 model's."""
     torch.manual_seed(0)
     ref = _curve(GPT(CFG), steps=10)
-    curves = spawn(_autopar_fp8, 2, timeout=600)
+    curves = AUTOPAR_FP8.result()
     assert curves[0] == curves[1]
     gaps = [abs(a - b) / b for a, b in zip(curves[0], ref)]
     assert 0 < max(gaps) < 0.05, gaps

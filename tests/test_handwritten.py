@@ -1,7 +1,7 @@
 """The hand-written DTensor TP/SP + FSDP2 baseline (examples/handwritten.py) against the unsharded GPT.
 
-All cases of one world size run in one `spawn` call (module-level cache), so the file starts two
-process groups in all: 2 ranks for mesh (dp, tp) = (1, 2), 4 ranks for (2, 2).
+All cases of one world size run in one job of the session's pool (tests/pool.py, module-level cache):
+2 ranks for mesh (dp, tp) = (1, 2), 4 ranks for (2, 2).
 """
 import functools
 import math
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from autopar.launch import spawn
+import pool
 
 CFG = dict(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_embd=32)
 BATCH, SEQ, STEPS, LR = 4, 12, 5, 1e-2
@@ -117,9 +117,12 @@ def _world(rank, world, cases):
     return {_case_name(*case): _run_case(*case) for case in cases}
 
 
+JOBS = {world: pool.job(world, _world, cases, timeout=240) for world, cases in CASES.items()}
+
+
 @functools.lru_cache(maxsize=None)
 def _results(world):
-    per_rank = spawn(_world, world, CASES[world], timeout=240)
+    per_rank = JOBS[world].result()
     # every rank reports the same loss curve (tp ranks and, after averaging, dp ranks)
     for name in per_rank[0]:
         curves = [r[name]["curve"] for r in per_rank]

@@ -4,7 +4,7 @@ Small random models built from config objects (no downloads), fp32, gloo on CPU:
 every gathered gradient match the Hugging Face model run whole, on (1,1,2), (2,1,2) and (1,2,2);
 Llama uses grouped-query attention (2 key/value heads for 4 query heads), and a Llama with one
 key/value head checks the replicated key/value projections. bf16 runs of both track the fp32 loss.
-All cases of one world size share one spawn (process start-up and imports dominate).
+All cases of one world size share one spawn, the session's pool (process start-up and imports dominate).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 import autopar  # noqa: E402
 from autopar.hf import causal_lm_loss  # noqa: E402
-from autopar.launch import spawn  # noqa: E402
+import pool  # noqa: E402
 
 VOCAB, BATCH, SEQ = 96, 4, 12
 
@@ -78,11 +78,14 @@ def _rank_all(rank, world, cases):
     return out
 
 
+JOBS = {world: pool.job(world, _rank_all, cases, timeout=900) for world, cases in CASES.items()}
+
+
 @pytest.fixture(scope="module")
 def results():
     flat = {}
     for world, cases in CASES.items():
-        for case, res in zip(cases, zip(*spawn(_rank_all, world, cases, timeout=900))):
+        for case, res in zip(cases, zip(*JOBS[world].result())):
             flat[IDS[len(flat)]] = (case, res)
     return flat
 

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 
 import autopar  # noqa: E402
 from autopar.hf import causal_lm_loss  # noqa: E402
+from parity import pm_curve  # noqa: E402
 
 VOCAB, BATCH, SEQ = 512, 4, 128
 
@@ -54,11 +55,6 @@ def test_bf16_trains_on_the_gpu(name, compile):
     x = ids()
     ref = build(name)(x, x).item()
     pm = autopar.parallelize(build(name), (1, 1, 1), (x, x), precision="bf16", compile=compile)
-    opt = pm.optimizer(torch.optim.AdamW, lr=3e-3)
-    losses = []
-    for _ in range(4):
-        opt.zero_grad()
-        losses.append(pm.train_step(x, x).item())
-        opt.step()
+    losses = pm_curve(pm, pm.optimizer(torch.optim.AdamW, lr=3e-3), (x, x), 4)
     assert losses[0] == pytest.approx(ref, rel=1e-2)
     assert losses[-1] < losses[0]

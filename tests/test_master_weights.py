@@ -4,13 +4,16 @@ Its steps must be bit-identical to the default bf16 path with torch.optim.AdamW 
 cast to fp32 is exact, and the copy is the master rounded once), on one rank and on dp x tp."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import autopar
 from autopar.checkpoint import load_checkpoint, save_checkpoint
 from autopar.examples.gpt import example_inputs
-from autopar.launch import spawn
+
+import pool
 from parity import BATCH, SEQ, TINY, make_model
 
 STEPS = 4
@@ -50,14 +53,17 @@ def _parity(rank, world, mesh, knobs, clips):
     return out
 
 
-@pytest.mark.parametrize("world,mesh,knobs,clips", [
+PARITY = {
     # compiled, the clip scale applied inside the update
-    (1, (1, 1, 1), dict(compile="aot_eager"), (0.5,)),
+    "one-rank": pool.job(1, _parity, (1, 1, 1), dict(compile="aot_eager"), (0.5,)),
     # dp sums the bf16 gradients in fp32; tp (sequence parallel) sums the norm weights' inside the graph
-    (4, (2, 1, 2), dict(plan="megatron", sequence_parallel=True, compile=False), (0.5,)),
-], ids=["one-rank", "dp2-tp2-sp"])
-def test_bit_identical_to_torch_adamw(world, mesh, knobs, clips):
-    for per_rank in spawn(_parity, world, mesh, knobs, clips):
+    "dp2-tp2-sp": pool.job(4, _parity, (2, 1, 2), dict(plan="megatron", sequence_parallel=True, compile=False), (0.5,)),
+}
+
+
+@pytest.mark.parametrize("case", list(PARITY))
+def test_bit_identical_to_torch_adamw(case):
+    for per_rank in PARITY[case].result():
         for r in per_rank:
             assert r["curve"][0] == r["curve"][1]
             assert r["grads"] and r["weights"] and r["changed"]
@@ -105,9 +111,15 @@ def _edits_and_checkpoints(rank, world, path):
     return before, edited, expected, continued, resumed, unzeroed
 
 
-def test_master_edits_and_checkpoints_reach_the_copies(tmp_path):
-    before, edited, expected, continued, resumed, unzeroed = spawn(_edits_and_checkpoints, 1,
-                                                                   str(tmp_path / "ckpt"))[0]
+def _edits_in(rank, world, workdir):
+    return _edits_and_checkpoints(rank, world, os.path.join(workdir, "ckpt"))
+
+
+EDITS = pool.job(1, _edits_in, workdir=True)
+
+
+def test_master_edits_and_checkpoints_reach_the_copies():
+    before, edited, expected, continued, resumed, unzeroed = EDITS.result()[0]
     assert "call opt.zero_grad() before each train_step" in unzeroed
     assert edited != before and edited == expected
     assert continued == resumed
@@ -126,13 +138,18 @@ def _refused(rank, world, cases):
     return messages
 
 
-@pytest.mark.parametrize("world,cases,says", [
-    (1, [dict(precision="fp32"), dict(precision="fp16"), dict(precision="bf16", microbatches=2)],
+REFUSED = [
+    (pool.job(1, _refused, [dict(precision="fp32"), dict(precision="fp16"), dict(precision="bf16", microbatches=2)]),
      ["precision='fp32'", "precision='fp16'", "2 microbatches"]),
-    (2, [dict(precision="bf16", zero=1)], ["zero=1"]),
-])
-def test_unsupported_plans_are_refused(world, cases, says):
-    for messages in spawn(_refused, world, cases):
+    (pool.job(2, _refused, [dict(precision="bf16", zero=1)]), ["zero=1"]),
+]
+
+
+@pytest.mark.parametrize("world,k", [(1, 0), (2, 1)])
+def test_unsupported_plans_are_refused(world, k):
+    refused, says = REFUSED[k]
+    assert refused.world == world
+    for messages in refused.result():
         for message, said in zip(messages, says, strict=True):
             assert message is not None and said in message and "torch.optim.AdamW" in message
 

@@ -7,7 +7,7 @@ parallel residual and partial rotary embeddings; (c) an OPT-like model with sepa
 projections with biases and a tied head. With the example GPT and tiny Hugging Face GPT-2,
 Llama (grouped-query), GPT-NeoX and OPT, every parameter's tp placement is checked against a
 table written out by hand from Megatron-LM's rules (planned offline on the meta device), and
-the models train on 2 gloo ranks as they do whole (one spawn for all of them).
+the models train on 2 gloo ranks as they do whole (one job for all of them in the session's pool of 2 ranks).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.examples.gpt import GPT, GPTConfig
-from autopar.launch import spawn
+import pool
 
 transformers = pytest.importorskip("transformers")
 from autopar.hf import causal_lm_loss  # noqa: E402
@@ -437,9 +437,12 @@ def _reference(name: str):
     return loss.item(), grads, curve
 
 
+PARITY_JOB = pool.job(2, _rank_all, PARITY, timeout=900)
+
+
 @pytest.fixture(scope="module")
 def parity_results():
-    return dict(zip(PARITY_IDS, zip(*spawn(_rank_all, 2, PARITY, timeout=900))))
+    return dict(zip(PARITY_IDS, zip(*PARITY_JOB.result())))
 
 
 @pytest.mark.parametrize("case", range(len(PARITY)), ids=PARITY_IDS)

@@ -2,7 +2,7 @@
 either trains the parallel model exactly as the unsharded one, or raises at its step() naming
 pm.optimizer(...); none runs silently without effect.
 
-All cases of one world size share one spawn (process start-up dominates)."""
+All cases of one world size share one spawn, the session's pool (process start-up dominates)."""
 from __future__ import annotations
 
 import gc
@@ -13,7 +13,7 @@ import torch.optim.optimizer as optimizer_module
 
 import autopar
 from autopar.examples.gpt import example_inputs
-from autopar.launch import spawn
+import pool
 from parity import BATCH, SEQ, TINY, make_model, train_curve
 
 STEPS = 3
@@ -90,6 +90,9 @@ def _extras(rank, world):
     """MasterAdamW beside another optimizer, and an optimizer built before parallelize."""
     idx, tgt = example_inputs(TINY, BATCH, SEQ)
     out = {}
+    hooks = optimizer_module._global_optimizer_pre_hooks
+    gc.collect()   # models of earlier work in this process (the test pool's) are gone before counting
+    out["hooks before"] = len(hooks)
     model = make_model()
     pm = autopar.parallelize(model, (2, 1, 1), (idx, tgt), precision="bf16", compile=False)
     master = pm.optimizer(autopar.MasterAdamW, lr=1e-2)
@@ -107,7 +110,6 @@ def _extras(rank, world):
     second = autopar.parallelize(model, (2, 1, 1), (idx, tgt), compile=False)
     out["built before parallelize"] = _attempt(lambda: _train(second, early, idx, tgt))
 
-    hooks = optimizer_module._global_optimizer_pre_hooks
     out["hooks while alive"] = len(hooks)
     del pm, second
     gc.collect()
@@ -127,12 +129,15 @@ def refs():
     return curves
 
 
+JOBS = {world: pool.job(world, _rank_all, cases, timeout=900) for world, cases in CASES.items()}
+
+
 @pytest.fixture(scope="module")
 def results():
     """Per case (in FLAT's order), every rank's result."""
     out = []
-    for world, cases in CASES.items():
-        out += [list(per_case) for per_case in zip(*spawn(_rank_all, world, cases, timeout=900))]
+    for world in CASES:
+        out += [list(per_case) for per_case in zip(*JOBS[world].result())]
     return out
 
 
@@ -167,9 +172,12 @@ def test_the_model_holds_the_shards(results, k):
             assert "pm.train_step" in message and "full_state_dict" in message
 
 
+EXTRAS = pool.job(2, _extras)
+
+
 @pytest.fixture(scope="module")
 def extras():
-    return spawn(_extras, 2, timeout=600)
+    return EXTRAS.result()
 
 
 def test_master_adamw_refuses_other_optimizers(extras):
@@ -190,4 +198,5 @@ def test_an_optimizer_over_the_replaced_parameters_raises(extras):
 def test_the_step_guard_goes_with_its_model(extras):
     """One global optimizer hook per live ParallelModel, none left once they are collected."""
     for out in extras:
-        assert (out["hooks while alive"], out["hooks when gone"]) == (2, 0)
+        before = out["hooks before"]
+        assert (out["hooks while alive"], out["hooks when gone"]) == (before + 2, before)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.launch import spawn
+import pool
 from autopar.overlap import MODES, collective_gaps, overlap, overlap_backend, overlap_config
 
 
@@ -71,11 +71,14 @@ def _both(rank, world):
     return _compiled_step(rank, world, True), _compiled_step(rank, world, overlap_backend("scheduler"))
 
 
+# Inductor's default cache directory, shared by both ranks: warm runs take seconds, not minutes,
+# and a cache hit still hands run_and_get_code the generated code
+BOTH = pool.job(2, _both, timeout=900)
+
+
 @pytest.fixture(scope="module")
 def runs():
-    # Inductor's default cache directory, shared by both ranks: warm runs take seconds, not minutes,
-    # and a cache hit still hands run_and_get_code the generated code
-    return spawn(_both, 2, timeout=900)
+    return BOTH.result()
 
 
 def _matmuls(gap):

@@ -1,6 +1,6 @@
 """Parallel runs against the unsharded model: loss, every gathered gradient, 10 AdamW steps.
 
-All configurations of one world size share one spawn (process start-up dominates)."""
+All configurations of one world size share one spawn, the session's pool (process start-up dominates)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from autopar.launch import spawn
+import pool
 from parity import parallel_run, reference
 
 STEPS = 10
@@ -36,9 +36,12 @@ def ref():
     return reference(steps=STEPS)
 
 
+JOBS = {w: pool.job(w, _rank_all, cases) for w, cases in CASES.items()}
+
+
 @pytest.fixture(scope="module")
 def results():
-    return {w: spawn(_rank_all, w, cases, timeout=600) for w, cases in CASES.items()}
+    return {w: j.result() for w, j in JOBS.items()}
 
 
 @pytest.mark.parametrize("world,case", [(w, i) for w, cases in CASES.items() for i in range(len(cases))],

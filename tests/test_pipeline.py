@@ -9,7 +9,7 @@ import torch
 
 import autopar
 from autopar.examples.gpt import GPT, example_inputs
-from autopar.launch import spawn
+import pool
 from parity import BATCH, SEQ, TINY, parallel_run, reference
 
 STEPS = 10
@@ -42,14 +42,17 @@ def _rank_all(rank, world, cases):
     return out
 
 
+# All cases of one world size share one spawn, the session's pool.
+GROUPS = {size: [i for i, c in enumerate(CASES) if _world(c[0]) == size] for size in sorted({_world(m) for m, _ in CASES})}
+JOBS = {size: pool.job(size, _rank_all, [CASES[i] for i in group], timeout=900) for size, group in GROUPS.items()}
+
+
 @pytest.fixture(scope="module")
 def results():
-    """All cases of one world size share one spawn."""
     out = {}
-    for size in sorted({_world(m) for m, _ in CASES}):
-        group = [(i, c) for i, c in enumerate(CASES) if _world(c[0]) == size]
-        res = spawn(_rank_all, size, [c for _, c in group], timeout=900)
-        for k, (i, _) in enumerate(group):
+    for size, group in GROUPS.items():
+        res = JOBS[size].result()
+        for k, i in enumerate(group):
             out[i] = [r[k] for r in res]
     return out
 
@@ -138,9 +141,12 @@ def _auto_run(rank, world):
     return parallel_run(rank, world, "auto", dict(compile=False, device="cpu"))
 
 
+AUTO_JOB = pool.job(2, _auto_run, timeout=300)
+
+
 def test_auto_mesh_trains_like_the_unsharded_model():
     ref_loss, ref_grads, _ = reference()
-    for loss, grads, _, plan in spawn(_auto_run, 2, timeout=300):
+    for loss, grads, _, plan in AUTO_JOB.result():
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         for name, g in ref_grads.items():
             torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6)

@@ -9,6 +9,7 @@ import torch
 import autopar
 from autopar.examples.gpt import build, example_inputs
 from autopar.launch import spawn
+import pool
 from parity import BATCH, SEQ, TINY, make_model
 
 FUNCOL = {"all_reduce": torch.ops._c10d_functional.all_reduce.default,
@@ -80,14 +81,17 @@ def _rank_graphs(rank, world, sp, budget):
     return graphs, planned, per_layer
 
 
-@pytest.mark.parametrize("sp,budget", [(False, None), (True, None), (True, "0.3MiB")],
-                         ids=["tp", "tp+sp", "tp+sp+regather"])
+GRAPHS = {(sp, budget): pool.job(2, _rank_graphs, sp, budget, timeout=300)
+          for sp, budget in [(False, None), (True, None), (True, "0.3MiB")]}
+
+
+@pytest.mark.parametrize("sp,budget", list(GRAPHS), ids=["tp", "tp+sp", "tp+sp+regather"])
 def test_collectives_in_compiled_graphs(sp, budget):
     """The functional collectives AOTAutograd put in each rank's forward and backward graphs are
     the plan's, and a transformer layer holds Megatron's: 2 all-reduces each way without sequence
     parallelism; with it, 2 all-gathers and 2 reduce-scatters each way (plus the re-gathers when
     memory is short)."""
-    for graphs, planned, layer in spawn(_rank_graphs, 2, sp, budget, timeout=300):
+    for graphs, planned, layer in GRAPHS[(sp, budget)].result():
         assert graphs["fwd"] == planned["fwd"] and graphs["bwd"] == planned["bwd"]
         if not sp:
             assert layer["fwd"] == {"all_reduce": 2} and layer["bwd"] == {"all_reduce": 2}

@@ -11,9 +11,9 @@ import torch
 
 import autopar
 from autopar.examples.gpt import example_inputs
-from autopar.launch import spawn
 from autopar.plans import Plan, PlanFormatError
 from autopar.precision import LossScaler
+import pool
 from parity import BATCH, SEQ, TINY, make_model, reference
 
 STEPS = 10
@@ -147,9 +147,12 @@ def ref():
     return reference(steps=STEPS)
 
 
+JOBS = {w: pool.job(w, _rank_all, timeout=900) for w in RUNS}
+
+
 @pytest.fixture(scope="module")
 def results():
-    return {w: spawn(_rank_all, w, timeout=900) for w in RUNS}
+    return {w: j.result() for w, j in JOBS.items()}
 
 
 @pytest.mark.parametrize("world,name", [(w, n) for w, runs in RUNS.items() for n in runs])
@@ -263,9 +266,12 @@ def _weight_casts(rank, world):
     return out, sum(1 for _ in make_model().parameters())
 
 
+WEIGHT_CASTS = pool.job(1, _weight_casts)
+
+
 def test_one_microbatch_casts_weights_inside_the_graph():
     """One microbatch on one stage: every weight enters the graph at fp32 and is cast once there
     (Inductor fuses the casts); with two microbatches the step's shared working copies do it."""
-    (one, two), n_params = spawn(_weight_casts, 1)[0]
+    (one, two), n_params = WEIGHT_CASTS.result()[0]
     assert one == (n_params, n_params, None)
     assert two == (0, 0, torch.bfloat16)

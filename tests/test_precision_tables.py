@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar
-from autopar.launch import spawn
+import pool
 
 VOCAB, DIM, HEADS, BATCH, SEQ = 64, 32, 4, 4, 16
 
@@ -88,6 +88,9 @@ def _bf16_losses(rank, world):
     return out
 
 
+BF16_LOSSES = pool.job(1, _bf16_losses, timeout=300)
+
+
 def test_the_table_form_fails_at_16_bits_without_the_rule():
     """The premise: the matmul of a 16-bit ``inv_freq`` with fp32 positions is refused on CPU."""
     with pytest.raises(RuntimeError, match="dtype"):
@@ -98,6 +101,6 @@ def test_rotary_table_from_an_fp32_buffer_trains_in_bf16():
     torch.manual_seed(0)
     idx, tgt = _batch()
     ref = TinyRopeLM()(idx, tgt).item()
-    losses = spawn(_bf16_losses, 1, timeout=300)[0]
+    losses = BF16_LOSSES.result()[0]
     for microbatches, loss in losses.items():
         assert loss == pytest.approx(ref, rel=2e-2), microbatches

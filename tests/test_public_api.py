@@ -12,7 +12,7 @@ import torch
 import autopar
 from autopar import api
 from autopar.cost_model import preset_for_gpu
-from autopar.launch import spawn
+import pool
 from parity import BATCH, SEQ, TINY, make_model
 from autopar.examples.gpt import example_inputs
 
@@ -72,9 +72,12 @@ def _dp_comm(rank, world):
                                 compile=False).plan.predicted_comm_s for g in (8, 1)]
 
 
+DP_COMM = pool.job(2, _dp_comm, timeout=300)
+
+
 def test_parallelize_takes_gpus_per_node():
     """With one GPU per node the dp all-reduce crosses nodes, priced at the slower tier."""
-    intra, inter = spawn(_dp_comm, 2, timeout=300)[0]
+    intra, inter = DP_COMM.result()[0]
     assert inter > 2 * intra > 0
 
 

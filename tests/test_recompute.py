@@ -8,7 +8,7 @@ import torch
 
 import autopar
 from autopar.examples.gpt import example_inputs
-from autopar.launch import spawn
+import pool
 from parity import BATCH, SEQ, TINY, make_model, parallel_run, reference
 
 EXPLICIT = replace(TINY, attention="explicit")
@@ -22,19 +22,27 @@ def _parity(rank, world, cases):
             for mesh, mode in cases]
 
 
+GROUPS = {world: [c for c in CASES if c[0][0] * c[0][1] * c[0][2] == world] for world in (2, 4)}
+JOBS = {world: pool.job(world, _parity, group) for world, group in GROUPS.items()}
+
+
 @pytest.fixture(scope="module")
 def results():
     out = {}
-    for world in (2, 4):
-        group = [c for c in CASES if c[0][0] * c[0][1] * c[0][2] == world]
-        for case, res in zip(group, zip(*spawn(_parity, world, group, timeout=600))):
+    for world, group in GROUPS.items():
+        for case, res in zip(group, zip(*JOBS[world].result())):
             out[case] = res
     return out
 
 
+@pytest.fixture(scope="module")
+def ref():
+    return reference(EXPLICIT, steps=3)
+
+
 @pytest.mark.parametrize("mesh,mode", CASES)
-def test_recompute_parity(results, mesh, mode):
-    ref_loss, ref_grads, ref_curve = reference(EXPLICIT, steps=3)
+def test_recompute_parity(results, ref, mesh, mode):
+    ref_loss, ref_grads, ref_curve = ref
     for loss, grads, curve, plan in results[(mesh, mode)]:
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         for name, g in ref_grads.items():
@@ -69,9 +77,12 @@ def _saved_bytes(rank, world, mode):
     return sum(v for k, v in kept.items() if k not in params), activation_bytes(calls, strategies, world, regions)
 
 
+SAVED_BYTES = {mode: pool.job(2, _saved_bytes, mode, timeout=300) for mode in MODES}
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_saved_activations_match_the_model(mode):
-    for measured, predicted in spawn(_saved_bytes, 2, mode, timeout=300):
+    for measured, predicted in SAVED_BYTES[mode].result():
         assert measured == pytest.approx(predicted, rel=0.05), f"{mode}: measured {measured}, predicted {predicted}"
 
 
@@ -97,9 +108,12 @@ def _compiled_saved(rank, world, mode):
     return saved["bytes"]
 
 
+COMPILED_SAVED = [pool.job(2, _compiled_saved, m, timeout=300) for m in MODES]
+
+
 def test_compiled_backward_recomputes():
     """Under torch.compile the checkpoint regions survive: the forward graph saves less."""
-    none, sel, full = (spawn(_compiled_saved, 2, m, timeout=300)[0] for m in MODES)
+    none, sel, full = (j.result()[0] for j in COMPILED_SAVED)
     assert full < sel < none, (none, sel, full)
 
 

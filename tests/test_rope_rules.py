@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.cost_model import get_device
-from autopar.launch import spawn
+import pool
 
 FORMS = ("half", "stack", "complex")
 
@@ -246,8 +246,11 @@ def _rank_warnings(rank, world):
     return [str(w.message) for w in caught if "no sharding rule" in str(w.message)]
 
 
+RANK_WARNINGS = pool.job(2, _rank_warnings, timeout=120)
+
+
 def test_no_rule_warns_on_rank_zero_only():
-    per_rank = spawn(_rank_warnings, 2, timeout=120)
+    per_rank = RANK_WARNINGS.result()
     assert len(per_rank[0]) == 3 and per_rank[1] == [], per_rank
 
 
@@ -293,9 +296,12 @@ def _parallel(rank, world, forms):
     return out
 
 
+PARALLEL = pool.job(2, _parallel, ("stack", "complex"))
+
+
 @pytest.fixture(scope="module")
 def parallel_runs():
-    return spawn(_parallel, 2, ("stack", "complex"), timeout=600)
+    return PARALLEL.result()
 
 
 @pytest.mark.parametrize("form", ["stack", "complex"])

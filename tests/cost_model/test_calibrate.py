@@ -17,7 +17,7 @@ from autopar.cost_model.comm import collective_bytes_on_wire
 from autopar.cost_model.compute import matmul_rate
 from autopar.cost_model.devices import AttentionSample, CollectiveFit, MatmulSample
 from autopar.examples.gpt import build, example_inputs
-from autopar.launch import spawn
+import pool
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_matmul_curve_drives_matmul_time():
 def test_attention_table_prices_fused_attention_only():
     """A profile's attention rate prices the sdpa nodes and nothing else; without it they are matmuls."""
     from autopar.cost_model.compute import attention_kind
-    from autopar.planner import _strategy_time
+    from autopar.cost_model.strategy import strategy_time
     from autopar.api import decide
 
     model = build("tiny", device="meta", n_layer=2, block_size=64)
@@ -118,15 +118,15 @@ def test_attention_table_prices_fused_attention_only():
     base = DEVICES["cpu"]
     slow = dataclasses.replace(base, attention_table=(AttentionSample("fp32", 4, 4, 64, 16, 1, 1e6),))
     fwd, bwd = node_flops(sdpa[0])
-    assert _strategy_time(sdpa[0], strategies[sdpa[0]], 1, slow, False) == pytest.approx((fwd + bwd) / 1e6)
-    assert _strategy_time(sdpa[0], strategies[sdpa[0]], 1, base, False) < (fwd + bwd) / 1e8
+    assert strategy_time(sdpa[0], strategies[sdpa[0]], 1, slow, False) == pytest.approx((fwd + bwd) / 1e6)
+    assert strategy_time(sdpa[0], strategies[sdpa[0]], 1, base, False) < (fwd + bwd) / 1e8
     others = [n for n in strategies if n.op == "call_function" and attention_kind(n) is None]
-    assert [_strategy_time(n, strategies[n], 1, slow, False) for n in others] == \
-           [_strategy_time(n, strategies[n], 1, base, False) for n in others]
+    assert [strategy_time(n, strategies[n], 1, slow, False) for n in others] == \
+           [strategy_time(n, strategies[n], 1, base, False) for n in others]
     # non-causal samples do not price causal attention
     acausal = dataclasses.replace(base, attention_table=(AttentionSample("fp32", 4, 4, 64, 16, 0, 1e6),))
-    assert _strategy_time(sdpa[0], strategies[sdpa[0]], 1, acausal, False) == \
-           _strategy_time(sdpa[0], strategies[sdpa[0]], 1, base, False)
+    assert strategy_time(sdpa[0], strategies[sdpa[0]], 1, acausal, False) == \
+           strategy_time(sdpa[0], strategies[sdpa[0]], 1, base, False)
 
 
 def test_update_time_is_adamw_and_the_working_copy():
@@ -173,8 +173,11 @@ def _collectives(rank, world):
     return measure_collectives((1, 1, world), "cpu", [2**12, 2**18, 2**23], reps=5)
 
 
+COLLECTIVES = pool.job(2, _collectives, timeout=240)
+
+
 def test_collectives_are_measured_and_fitted_per_axis():
-    result = spawn(_collectives, 2, timeout=240)[0]
+    result = COLLECTIVES.result()[0]
     tp = result["tp"]
     assert tp["size"] == 2 and {k for k, _, _ in tp["samples"]} == {"all_reduce", "all_gather", "reduce_scatter"}
     fitted = {kind: fit for kind, fit in tp["fits"].items() if "error" not in fit}

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.examples.gpt import GPT, GPTConfig, example_inputs
 from autopar.kernels import cross_entropy as ce
-from autopar.launch import spawn
+import pool
 from autopar.passes.fuse_loss import cross_entropy_kernel_pass
 
 TINY = GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_embd=32)
@@ -96,8 +96,11 @@ def _runs(rank, world, precisions):
     return out
 
 
+RUNS = pool.job(1, _runs, ("fp32", "bf16"))
+
+
 def test_parallelize_loss_kernel():
-    for (loss, grads, routed_off), (k_loss, k_grads, routed) in spawn(_runs, 1, ("fp32", "bf16"))[0].values():
+    for (loss, grads, routed_off), (k_loss, k_grads, routed) in RUNS.result()[0].values():
         assert routed and not routed_off
         assert k_loss == pytest.approx(loss, rel=1e-6)
         for name, g in grads.items():

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from autopar.kernels import fused_linear_ce as flce
 from autopar.kernels.fused_linear_ce import linear_cross_entropy, vocab_parallel_linear_cross_entropy
-from autopar.launch import spawn
+import pool
 from autopar.passes.fuse_loss import fuse_loss_pass
 
 aten = torch.ops.aten
@@ -207,9 +207,12 @@ def _fuse_sharded_gpt(rank, world, sequence_parallel):
     return unfused, [_run_graph(gm, params, inputs), compiled], vocab_parallel_linear_cross_entropy in targets
 
 
+VOCAB_PARALLEL = pool.job(2, _vocab_parallel_rank, 37, timeout=300)
+
+
 @pytest.fixture(scope="module")
 def vocab_parallel_results():
-    return spawn(_vocab_parallel_rank, 2, 37, timeout=300)
+    return VOCAB_PARALLEL.result()
 
 
 def test_vocab_parallel_matches_unsharded(vocab_parallel_results):

@@ -23,7 +23,7 @@ from P producers ("-fromR", "-fromP"), so the split / reduce-scatter / all-reduc
 copy_to steps the rewrite inserts in front of the op are checked with it. Tolerance:
 rtol 1e-5, atol 1e-6 scaled by the reference tensor's magnitude (see ``_ratio``).
 
-All cases of one world size run in one ``spawn``; the rank function loops over them
+All cases of one world size run in one job of the session's pool (tests/pool.py); the rank function loops over them
 and sends back local outputs and gradients, which the parent compares. Cases are
 built from the graphs in the parent at collection time and shipped as picklable
 specs (op name, argument template, full inputs, placements, summands of partial
@@ -50,7 +50,7 @@ from torch.fx.node import map_aggregate, map_arg
 
 from autopar import collectives as C
 from autopar.examples.gpt import GPT, GPTConfig, example_inputs
-from autopar.launch import spawn
+import pool
 from autopar.passes.capture import Captured, capture_pass
 from autopar.passes.rules import RULES, Strategy, is_float
 from autopar.passes.shard import shard_pass
@@ -417,7 +417,7 @@ def _grads(inputs):
 
 def run_case(case: Case, size: int, rank: int, group: str) -> dict:
     gm, strategies = _one_op_graph(case)
-    local = shard_pass(gm, strategies, size=size, rank=rank, group=group)
+    local = shard_pass(gm, strategies=strategies, size=size, rank=rank, group=group)
     inputs = [_leaves(_local_input(case, k, size, rank)) for k in range(len(case.inputs))]
     # also return the op's own local outputs: the output's arguments before the inserted collectives
     out_node = next(n for n in local.graph.nodes if n.op == "output")
@@ -601,11 +601,18 @@ def sanity_cases() -> tuple[Case, ...]:
 
 # ---- running and caching ----------------------------------------------------------------------
 
+def _todo(size: int) -> list[Case]:
+    return list(cases(size)) + (list(sanity_cases()) if size == 2 else [])
+
+
+JOBS = {size: pool.job(size, rank_main, timeout=240, lazy=lambda size=size: (_todo(size),)) for size in (2, 4)}
+
+
 @functools.lru_cache(maxsize=None)
 def results(size: int) -> dict[str, dict]:
-    """Run every case of one world size (plus the sanity cases at 2) in one spawn; verdicts by id."""
-    todo = list(cases(size)) + (list(sanity_cases()) if size == 2 else [])
-    per_rank = spawn(rank_main, size, todo, timeout=240)
+    """Run every case of one world size (plus the sanity cases at 2) in the session's pool; verdicts by id."""
+    todo = _todo(size)
+    per_rank = JOBS[size].result()
     return {c.id: compare(c, [per_rank[r][i] for r in range(size)], size) for i, c in enumerate(todo)}
 
 

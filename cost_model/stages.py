@@ -1,0 +1,133 @@
+"""Prices of pipeline stages: each layer unit's time, static and activation bytes per microbatch,
+the point-to-point cost of a cut, the microbatches a schedule keeps in flight per stage, and the
+pipeline's makespan over a step (bubble included).
+
+The formulas are written out in ``autopar.stage_dp``'s module docstring, which searches over
+them: with stage times T_s on p ranks, v stages per rank and m microbatches,
+
+    v = 1:  step = sum_s T_s + (m - 1) * max_s T_s
+    v > 1:  step = m * max_r R_r + (p - 1) * max_s T_s,   R_r = sum_{s mod p = r} T_s.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from autopar.passes.rules import is_float
+from autopar.placement import Shard, local_shape
+
+from .comm import axis_is_inter_node, collective_time
+from .memory import compiled_kept
+from .strategy import strategy_time, tensor_bytes, tp_collectives
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
+INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble")
+# Host-side cost of one op launch forward plus backward: what makes very small microbatches slow.
+OP_OVERHEAD = 15e-6
+
+
+def posint(x, name):
+    """``x`` as an int, or a ValueError naming ``name`` when it is not a positive integer."""
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1:
+        raise ValueError(f"{name} must be a positive integer, got {x!r}")
+    return int(x)
+
+
+def check_schedule(schedule, v):
+    """Refuse an unknown schedule, or virtual stages on a schedule that runs one stage per rank."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if v > 1 and schedule not in INTERLEAVED:
+        raise ValueError(f"schedule {schedule} runs one stage per rank, but v={v} virtual stages per "
+                         f"rank were asked for; use v=1, or Interleaved1F1B / InterleavedZeroBubble")
+
+
+def inflight_microbatches(p: int, m: int, v: int = 1, schedule: str = "1F1B") -> tuple[int, ...]:
+    """f(s) for s = 0..p*v-1: microbatches whose activations stage s holds at its rank's peak
+    (``autopar.stage_dp``'s docstring derives them per schedule)."""
+    p, m, v = posint(p, "p"), posint(m, "m"), posint(v, "v")
+    check_schedule(schedule, v)
+    S = p * v
+    if schedule == "GPipe":
+        return (m,) * S
+    if v == 1:                                  # 1F1B, or an interleaved schedule with one chunk
+        return tuple(min(m, p - s) for s in range(S))
+    out = []
+    for s in range(S):
+        r, j = s % p, s // p
+        n_r = min(m * v, (v - 1) * p + 2 * (p - 1 - r) + 1)
+        q, rho = divmod(n_r, p * v)
+        out.append(min(m, q * p + min(max(rho - j * p, 0), p)))
+    return tuple(out)
+
+
+def pipeline_time(stage_times, p: int, m: int, v: int, *, add=math.fsum, maximum=max):
+    """Seconds of a step's m microbatches through the stages, fill and drain bubble included
+    (the module docstring's formula). ``add`` and ``maximum`` combine the stage times: exact
+    float sums by default, ``sympy`` ones for symbolic stage times."""
+    if v == 1:
+        return add(stage_times) + (m - 1) * maximum(stage_times)
+    ranks = [add(stage_times[r::p]) for r in range(p)]
+    return m * maximum(ranks) + (p - 1) * maximum(stage_times)
+
+
+def state_bytes_per_param_byte(mesh, zero: int, working_copy: float = 0.0) -> float:
+    """Parameter + gradient + Adam's two moments (the moments sharded over dp with ZeRO-1), plus
+    a 16-bit working copy's share (``autopar.precision.working_copy_ratio``)."""
+    return 2.0 + working_copy + (2.0 / mesh.dp if zero else 2.0)
+
+
+def unit_costs(cap, strategies: dict, units, mesh, dev, *, zero: int, gpus_per_node: int, working_copy: float,
+               regions=()):
+    """Per unit (anything with the ``nodes`` it runs) per microbatch: seconds (fwd+bwd, with the
+    launch overhead and the tp collectives its ops consume), static bytes, activation bytes; and
+    the point-to-point seconds of a cut after each unit.
+
+    The bytes are the plan's memory model (``cost_model.memory``) split by unit: parameters,
+    gradients and optimizer state (``state_bytes_per_param_byte``, as ``memory.param_state``
+    counts them with gradients held), and what torch.compile keeps for the
+    backward with ``regions`` recomputed (``compiled_kept``). The backward's transient excess,
+    a maximum over a stage's ops rather than a sum over its units, is left to the plan's
+    per-stage memory."""
+    tp = mesh.tp
+    tp_inter = axis_is_inter_node(tp, 1, gpus_per_node)
+    pp_inter = axis_is_inter_node(mesh.pp, tp, gpus_per_node)
+    unit_of = {n: k for k, u in enumerate(units) for n in u.nodes}
+    time = np.zeros(len(units))
+    for n, k in unit_of.items():
+        time[k] += strategy_time(n, strategies[n], tp, dev, tp_inter) + OP_OVERHEAD
+    if tp > 1:
+        for _, kind, _, nbytes, consumer in tp_collectives(cap, strategies, tp):
+            if consumer in unit_of:
+                time[unit_of[consumer]] += collective_time(kind, nbytes, tp, dev, tp_inter)
+    static = np.zeros(len(units))
+    state = state_bytes_per_param_byte(mesh, zero, working_copy)
+    for node in cap.params.values():
+        pl = strategies[node].output
+        nbytes = float(np.prod(local_shape(tuple(node.meta["val"].shape), pl, tp))) * node.meta["val"].element_size()
+        for k in {unit_of[u] for u in node.users if u in unit_of}:
+            static[k] += nbytes * state
+    act = np.zeros(len(units))
+    for k, u in enumerate(units):
+        members = set(u.nodes)
+        act[k] = sum(compiled_kept(u.nodes, strategies, tp, [r for r in regions if r and r[0] in members]).values())
+    # a value crosses the cuts after its own unit up to the last unit that reads it
+    sent = np.zeros(len(units) + 1)
+    for a, k in unit_of.items():
+        last = max((unit_of[u] for u in a.users if u in unit_of), default=k)
+        if last > k and is_float(a):
+            nbytes = tensor_bytes(a) / (tp if isinstance(strategies[a].output, Shard) else 1)
+            sent[k] += nbytes
+            sent[last] -= nbytes
+    bw = dev.inter_node_bw if pp_inter else dev.intra_node_bw
+    boundary = 2 * np.cumsum(sent)[:max(len(units) - 1, 0)] / bw   # activations forward, gradients back
+    return time, static, act, boundary
+
+
+def rank_param_bytes(static, bounds, mesh, zero: int, working_copy: float) -> float:
+    """Parameter bytes of the pipeline rank holding the most, read off the units' static bytes
+    (``unit_costs``) under the cut ``bounds``: what its dp sync and update move."""
+    state = state_bytes_per_param_byte(mesh, zero, working_copy)
+    return max(sum(static[a:b].sum() for s, (a, b) in enumerate(bounds) if s % mesh.pp == r)
+               for r in range(mesh.pp)) / state

@@ -1,0 +1,80 @@
+"""A candidate's step time: the one sum, and the terms outside the ops that go into it.
+
+    step = compute + sum over axes of unoverlapped communication + update
+
+``compute`` is the ops' forward and backward over the step's microbatches; with pipeline stages it
+is the pipeline's makespan (``cost_model.stages.pipeline_time``: the tp collectives the units
+consume and the fill/drain bubble are inside it). The communication terms are the tp collectives
+between ops (pp = 1) and the dp gradient sync (``dp_sync_time``); ``update`` is the optimizer step
+and 16-bit weight casts of the busiest rank (``compute.update_time``). Every search and report
+adds a step up with ``step_time``: the plan (``Plan.predicted_step_time``), the microbatch
+choice, the mesh ranking (through the plans it ranks) and the symbolic costs, whose terms are
+sympy expressions (the sum is plain arithmetic, so it takes them as it takes floats).
+"""
+from __future__ import annotations
+
+from .comm import axis_is_inter_node, collective_time
+from .compute import update_time
+from .strategy import strategy_time
+
+
+def step_time(compute, comm, update):
+    """Seconds per training step: ``compute`` + every axis's communication in ``comm`` + ``update``."""
+    total = compute
+    for seconds in comm:
+        total = total + seconds
+    return total + update
+
+
+def dp_sync_kinds(zero: int) -> list[str]:
+    """The collectives of the dp gradient sync: an all-reduce, or with ZeRO-1 a reduce-scatter of
+    the gradients and an all-gather of the updated parameters."""
+    return ["reduce_scatter", "all_gather"] if zero else ["all_reduce"]
+
+
+def dp_sync_time(param_bytes: float, mesh, dev, zero: int, gpus_per_node: int) -> float:
+    """Seconds to average one rank's gradients over dp (and with ZeRO-1 re-gather its parameters),
+    one bucketed collective per kind over its ``param_bytes``."""
+    if mesh.dp == 1:
+        return 0.0
+    inter = axis_is_inter_node(mesh.dp, mesh.pp * mesh.tp, gpus_per_node)
+    return sum(collective_time(k, param_bytes, mesh.dp, dev, inter) for k in dp_sync_kinds(zero))
+
+
+def param_byte_time(mesh, dev, *, zero: int, working_copy: bool, gpus_per_node: int = 8) -> float:
+    """Step seconds per byte of one rank's parameter shards spent outside the forward and
+    backward ops: the slope in those bytes of the optimizer update (``update_time``) and of the
+    dp gradient sync (``dp_sync_time``; its latency does not depend on the placements), as the
+    plan prices them (with pipeline stages each rank holds about 1/pp of the layers, so 1/pp of
+    it is charged). The tp ILP adds it to each parameter strategy's cost."""
+    seconds = update_time(1.0, dev, working_copy=working_copy, optimizer_shards=mesh.dp if zero else 1)
+    seconds += dp_sync_time(1.0, mesh, dev, zero, gpus_per_node) - dp_sync_time(0.0, mesh, dev, zero, gpus_per_node)
+    return seconds / mesh.pp
+
+
+def rank_update_time(param_bytes: float, mesh, dev, zero: int, working_copy: bool) -> float:
+    """``update_time`` of a rank holding ``param_bytes`` of fp32 parameters, its optimizer state
+    sharded over dp under ZeRO-1."""
+    return update_time(param_bytes, dev, working_copy=working_copy, optimizer_shards=mesh.dp if zero else 1)
+
+
+def plan_update_time(plan, dev) -> float:
+    """``rank_update_time`` of the pipeline rank holding the most parameters (read off its stages'
+    AdamW state: two fp32 moments per fp32 parameter, 1/dp of them under ZeRO-1)."""
+    dp, pp = plan.mesh[0], plan.mesh[1]
+    shards = dp if plan.zero else 1
+    per_rank = [sum(m.optimizer for m in plan.memory if m.stage % pp == r) * shards / 2 for r in range(pp)]
+    return update_time(max(per_rank, default=0.0), dev, working_copy=plan.precision != "fp32",
+                       optimizer_shards=shards)
+
+
+def flat_compute_time(strategies: dict, tp: int, dev, tp_inter: bool, microbatches: int) -> float:
+    """The compute term without pipeline stages: every op's forward and backward under its
+    strategy, the collectives inside ops left to ``tp_comm_time``, for each microbatch."""
+    return microbatches * sum(strategy_time(n, s, tp, dev, tp_inter, False) for n, s in strategies.items())
+
+
+def tp_comm_time(collectives, tp: int, dev, tp_inter: bool) -> float:
+    """The tp communication term without pipeline stages: ``collectives`` as (kind, count, total
+    bytes) per kind and place, each priced count times at its mean size."""
+    return sum(collective_time(kind, nbytes / count, tp, dev, tp_inter) * count for kind, count, nbytes in collectives)
