@@ -258,10 +258,10 @@ class Plan:
         if self.stages:
             lines += ["", f"Pipeline: {len(self.stages)} stages ({self.virtual_stages} per rank), schedule "
                           f"{self.schedule}, {self.microbatches} microbatches:"]
-            for s in self.stages:
+            for s in self.stages:   # its memory is the one figure of the memory section below
                 mods = s.modules[0] + (f" .. {s.modules[-1]}" if len(s.modules) > 1 else "")
                 lines.append(f"  stage {s.index} on pp rank {s.rank}: {mods:50s} "
-                             f"{s.predicted_time_s * 1e3:9.3f} ms/microbatch {s.memory_bytes / 2**30:8.2f} GiB")
+                             f"{s.predicted_time_s * 1e3:9.3f} ms/microbatch")
         if self.memory:
             lines += ["", f"Memory per rank (GiB; recompute {self.recompute}, "
                           f"{len(self.recompute_regions)} regions):"]

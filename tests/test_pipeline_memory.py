@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import autopar
 from autopar.api import decide
 from autopar.cost_model import get_device
 from autopar.cost_model.stages import unit_costs
@@ -32,3 +33,14 @@ def test_recompute_lets_the_stage_dp_take_a_cut_that_misses_without_it():
         cut("none")
     assert [s.modules for s in plan.stages] == [tuple(m for u in units[a:b] for m in u.modules)
                                                 for a, b in cut("full").bounds]
+
+
+def test_the_summary_shows_one_memory_figure_per_stage():
+    """The pipeline section names each stage's time; its memory is the memory section's alone."""
+    model = build("gpt2", device="meta")
+    plan = autopar.plan(model, (1, 2, 4), example_inputs(model.config, 8, 1024, device="meta"))
+    text = plan.summary()
+    pipeline = text[text.index("Pipeline:"):text.index("Memory per rank")]
+    assert "GiB" not in pipeline
+    for mem in plan.memory:
+        assert f"stage {mem.stage}:" in text and f"peak {mem.peak / 2**30:.3f}" in text
