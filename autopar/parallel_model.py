@@ -121,6 +121,9 @@ class ParallelModel:
         self._zero = _Zero1(self) if plan.zero else None
         self._replaced = _adopt_shards(model, self._params, cap.params, self._device)
         self._ids = {id(p) for p in self._params.values()}
+        # optimizers found able to step, with what they were checked against: the hook runs before
+        # every step of every optimizer, and an unchanged optimizer needs no second look
+        self._passed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         _guard_optimizer_steps(self)
         if mesh.pp > 1 or any(self._sharded(fqn) for fqn in self._params):
             model.register_forward_pre_hook(_refuse_unsharded_call)
@@ -138,6 +141,9 @@ class ParallelModel:
     def _refuse_inert(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise if ``optimizer`` is about to step tensors whose gradients this model never fills
         (run before every torch optimizer's ``step``, by ``_guard_optimizer_steps``)."""
+        seen = (sum(len(g["params"]) for g in optimizer.param_groups), self._zero is None, self._master is None)
+        if self._passed.get(optimizer) == seen:
+            return
         held = [p for group in optimizer.param_groups for p in group["params"]]
         name = type(optimizer).__name__
         if any((r := self._replaced.get(id(p))) is not None and r() is p for p in held):
@@ -145,11 +151,10 @@ class ParallelModel:
                                "them with this rank's shards, and those get no gradients: build the optimizer "
                                "after parallelize, over pm.parameters() (the model's parameters are now the "
                                "same tensors), or with pm.optimizer(...)")
-        if self._zero is None and self._master is None:
-            return
-        if isinstance(optimizer, MasterAdamW) and optimizer.working is self._master:
-            return
-        if not any(id(p) in self._ids for p in held):
+        if ((self._zero is None and self._master is None)
+                or (isinstance(optimizer, MasterAdamW) and optimizer.working is self._master)
+                or not any(id(p) in self._ids for p in held)):
+            self._passed[optimizer] = seen
             return
         if self._zero is not None:
             raise RuntimeError(f"zero=1: train_step reduce-scatters the gradients into the dp shard that "
