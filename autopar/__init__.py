@@ -13,12 +13,12 @@ import importlib.util
 from autopar.api import parallelize, plan
 from autopar.determinism import set_deterministic
 from autopar.flops import FlopsReport, flops_report, report_table
-from autopar.master_weights import MasterAdamW
+from autopar.runtime.master_weights import MasterAdamW
 from autopar.mesh import Mesh
-from autopar.parallel_model import ParallelModel
+from autopar.runtime.parallel_model import ParallelModel
 from autopar.placement import Partial, Replicate, Shard
 from autopar.plans import Plan, PlanFormatError
-from autopar.planner import PlanError
+from autopar.errors import PlanError
 
 __all__ = ["parallelize", "plan", "Mesh", "Plan", "ParallelModel", "PlanError", "PlanFormatError",
            "Shard", "Replicate", "Partial", "set_deterministic", "MasterAdamW",

@@ -49,7 +49,8 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadIt
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from autopar.parallel_model import ParallelModel, _Zero1Optimizer
+from autopar.runtime.parallel_model import ParallelModel
+from autopar.runtime.zero import Zero1Optimizer
 from autopar.placement import Placement, Shard, padded_size, parse_placement
 
 _OPTIM = "optim/"
@@ -236,25 +237,16 @@ def _check_state_shape(fqn: str, name: str, value, param: torch.Tensor) -> None:
                          "state is shaped like the parameter (SGD, Adam, AdamW, ...)")
 
 
-def _zero_offsets(zero) -> list[int]:
-    """Where each local shard starts in ZeRO's flat vector (before it is split over dp)."""
-    out, at = [], 0
-    for n in zero.sizes:
-        out.append(at)
-        at += n
-    return out
-
-
 def _optimizer_state_to_save(pm: ParallelModel, optimizer) -> dict:
     """The optimizer's state and hyperparameters as checkpoint entries (owned parameters only)."""
     sd, layouts, out = optimizer.state_dict(), _layouts(pm), {}
     params = dict(pm.named_parameters())
-    if isinstance(optimizer, _Zero1Optimizer):
+    if isinstance(optimizer, Zero1Optimizer):
         zero = optimizer.zero
         state = sd["state"].get(0, {})
         hyper = _hyperparameters(sd["param_groups"][0])
-        for (fqn, p), at in zip(params.items(), _zero_offsets(zero)):
-            if not pm._owns(fqn):
+        for (fqn, p), at in zip(params.items(), zero.offsets):
+            if not pm.owns(fqn):
                 continue
             out[f"{_OPTIM}{fqn}/group"] = hyper
             for name, value in state.items():
@@ -270,7 +262,7 @@ def _optimizer_state_to_save(pm: ParallelModel, optimizer) -> dict:
     for group_sd, group in zip(sd["param_groups"], optimizer.param_groups):
         for index, p in zip(group_sd["params"], group["params"]):
             fqn = _fqn_of(fqn_of, p)
-            if not pm._owns(fqn):
+            if not pm.owns(fqn):
                 continue
             out[f"{_OPTIM}{fqn}/group"] = _hyperparameters(group_sd)
             for name, value in sd["state"].get(index, {}).items():
@@ -316,7 +308,7 @@ def _request_optimizer_state(pm: ParallelModel, optimizer, md, want: dict, path)
                                       "saved without an optimizer?); load it with optimizer=None")
     for fqn, _ in pm.named_parameters():
         want[f"{_OPTIM}{fqn}/group"] = None
-    if isinstance(optimizer, _Zero1Optimizer):
+    if isinstance(optimizer, Zero1Optimizer):
         return _request_zero_state(pm, optimizer, md, want, path, fqns)
     return _request_plain_state(pm, optimizer, md, want, path)
 
@@ -336,7 +328,7 @@ def _request_zero_state(pm: ParallelModel, optimizer, md, want: dict, path, fqns
     flats = {name: torch.zeros(zero.chunk, dtype=m.properties.dtype, device=zero.shard.device)
              for name, m in state_md.items()}
     held = [fqn for fqn, _ in pm.named_parameters()]
-    for (fqn, p), at in zip(pm.named_parameters(), _zero_offsets(zero)):
+    for (fqn, p), at in zip(pm.named_parameters(), zero.offsets):
         for name, flat in flats.items():
             boxes = _slice_boxes(layouts[fqn], tuple(p.shape), flat, zero.lo - at)
             if boxes.views:
@@ -398,10 +390,10 @@ def _model_tensors(pm: ParallelModel, *, owned_only: bool) -> dict[str, _Boxes]:
     """This rank's parameters (and persistent buffers) as global boxes over their memory."""
     layouts, out = _layouts(pm), {}
     for fqn, p in pm.named_parameters():
-        if not owned_only or pm._owns(fqn):
+        if not owned_only or pm.owns(fqn):
             out[fqn] = _shard_boxes(layouts[fqn], p.detach())
-    for name in pm._persistent_buffers:
-        b = pm._buffers[name].detach()
+    for name, b in pm.persistent_buffers().items():
+        b = b.detach()
         out[name] = _Boxes(b.shape, {(0,) * b.dim(): b})
     return out
 
@@ -420,7 +412,7 @@ def _read_metadata(path):
 def _check_model(pm: ParallelModel, md: dict, path) -> None:
     """Every parameter and persistent buffer in the checkpoint with its shape, and nothing else."""
     expected = {q.fqn: tuple(q.shape) for q in pm.plan.parameters}
-    expected.update({n: tuple(pm._buffers[n].shape) for n in pm._persistent_buffers})
+    expected.update({n: tuple(b.shape) for n, b in pm.persistent_buffers().items()})
     aliases = {a for q in pm.plan.parameters for a in q.aliases}   # a plain state_dict's second names
     problems = []
     for fqn, shape in expected.items():
@@ -470,23 +462,14 @@ def load_checkpoint(pm: ParallelModel, optimizer, path) -> dict:
     want.update({k: None for k in (_STEP, _EXTRA, _SCALER) if k in md})
     with torch.no_grad():
         dcp.load(want, storage_reader=FileSystemReader(str(path)), planner=_LoadPlanner())
-        if pm._zero is not None:
-            _refresh_zero_slice(pm._zero)
+        if pm.zero is not None:
+            pm.zero.refresh_slice()
         if finish is not None:
             finish()
     scaler = getattr(pm, "loss_scaler", None)
     if scaler is not None and want.get(_SCALER) is not None:
         scaler.scale, scaler.clean_steps = want[_SCALER]
     return {"step": int(want.get(_STEP) or 0), "extra": want.get(_EXTRA)}
-
-
-def _refresh_zero_slice(zero) -> None:
-    """ZeRO's flat slice (what its optimizer steps) copied from the freshly loaded local shards."""
-    hi = zero.lo + zero.chunk
-    for p, at in zip(zero.params, _zero_offsets(zero)):
-        a, b = max(at, zero.lo), min(at + p.numel(), hi)
-        if a < b:
-            zero.shard[a - zero.lo:b - zero.lo].copy_(p.detach().reshape(-1)[a - at:b - at])
 
 
 def export_state_dict(path_or_pm) -> dict[str, torch.Tensor]:
@@ -497,7 +480,7 @@ def export_state_dict(path_or_pm) -> dict[str, torch.Tensor]:
     if isinstance(path_or_pm, ParallelModel):
         pm = path_or_pm
         out = pm.full_state_dict()
-        out.update({n: pm._buffers[n].detach().cpu().clone() for n in pm._persistent_buffers})
+        out.update({n: b.detach().cpu().clone() for n, b in pm.persistent_buffers().items()})
         return out
     md = _read_metadata(path_or_pm)
     sd = {k: torch.zeros(v.size, dtype=v.properties.dtype) for k, v in md.items()

@@ -352,7 +352,7 @@ def _stages(cap, plan) -> dict[Node, int]:
     calls = [n for n in cap.gm.graph.nodes if n.op == "call_function"]
     if not plan.stages:
         return {n: 0 for n in calls}
-    from autopar.pipeline import stage_of_nodes
+    from autopar.passes.units import stage_of_nodes
     where = stage_of_nodes(cap, plan)
     last = len(plan.stages) - 1
     return {n: where.get(n.name, last) for n in calls}   # the loss tail runs on the last stage
@@ -481,7 +481,7 @@ def flops_report(model, mesh, example_inputs, *, plan=None, step_time=None, devi
     (recompute, microbatches, schedule, sequence_parallel, zero, precision, ...). ``step_time``:
     measured seconds per step, for MFU; ``device``: the cost model's device, whose peak at the
     compute dtype (``precision``, else the parameters' dtype) MFU divides by."""
-    from autopar.api import decide
+    from autopar.planner.decide import decide
 
     if step_time is not None:
         mfu(1.0, step_time, 1, 1.0)   # rejects a step time that is not a positive number of seconds

@@ -25,7 +25,7 @@ What the rest of autopar does with these graphs:
   its own copy whole (``passes.capture``), so pipeline stages never send them.
 - Grouped-query attention with fewer key/value heads than tp: the key/value projections
   are replicated and the attention, after the heads are repeated, is split by query heads
-  (``autopar.megatron``); every tp that divides the query heads works.
+  (``autopar.planner.megatron``); every tp that divides the query heads works.
 """
 from __future__ import annotations
 

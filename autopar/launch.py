@@ -30,6 +30,8 @@ import torch.distributed as dist
 # fail with an error of their own instead of blocking forever.
 _MAX_COLLECTIVE_TIMEOUT_S = 120.0
 # How long a rank gets to die of SIGTERM before it is sent SIGKILL.
+# how long a rank's error waits for a peer's death to show (its likely cause)
+_DEATH_GRACE_S = 1.0
 _TERMINATE_GRACE_S = 2.0
 # How long a failed rank under guard() stays up before it exits. A rank that fails only because a peer
 # died (gloo: "connection closed by peer") must not exit before torchrun's agent, which polls every
@@ -230,6 +232,21 @@ def _collect(procs, conns, deadline, timeout):
             else:
                 errors[rank] = message[1:]
         silent = [rank for rank in exited if rank not in results and rank not in errors]
+        if errors and not silent:
+            # A dead rank's peers fail with connection errors as its sockets close, which can reach
+            # us before its exit does: give the other ranks a moment to show whether one died.
+            others = [rank for rank in running if rank not in results and rank not in errors]
+            wait([procs[rank].sentinel for rank in others], _DEATH_GRACE_S)
+            for rank in others:
+                if procs[rank].exitcode is None:
+                    continue
+                message = _receive(conns[rank])
+                if message is None:
+                    silent.append(rank)
+                elif message[0] == "ok":
+                    results[rank] = message[1]
+                else:
+                    errors[rank] = message[1:]
         # A dead rank's peers fail with connection errors a moment later, so its death is the cause.
         if silent:
             rank = silent[0]

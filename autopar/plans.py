@@ -2,7 +2,7 @@
 
 A plan names parameters by FQN and graph nodes by their export names (with module
 paths for people). It is what the passes carry out, so an edited plan file runs
-exactly as written; ``autopar.planner.strategies_from_plan`` checks it against the model.
+exactly as written; ``autopar.planner.sharding.strategies_from_plan`` checks it against the model.
 """
 from __future__ import annotations
 
@@ -13,16 +13,13 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from autopar.cost_model.step import step_time
+from autopar.errors import PlanFormatError
 
 PLAN_VERSION = 1
 
 PRECISION_NOTES = {"fp32": "fp32",
                    "bf16": "bf16 compute, fp32 master weights and reductions",
                    "fp16": "fp16 compute, fp32 master weights and reductions, dynamic loss scaling"}
-
-
-class PlanFormatError(ValueError):
-    """A plan file that is malformed or does not fit the model; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +138,7 @@ class Plan:
         ``e = plan.cost_expr(model); e.step_time; e.at(B, S)``. ``model`` is the model planned
         (on the meta device is fine); ``device`` is needed when the plan was priced on a profile."""
         from autopar.cost_model.symbolic import cost_expr   # sympy: loaded only when asked for
-        from autopar.pipeline import plan_layout   # the planner's, and the planner builds Plans
+        from autopar.planner.stage_cut import plan_layout   # the planner's, and the planner builds Plans
         return cost_expr(model, self, plan_layout, example_inputs, device=device, gpus_per_node=gpus_per_node)
 
     def derives_as(self, derived: "Plan") -> bool:

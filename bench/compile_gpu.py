@@ -17,7 +17,7 @@ model two ways in one process and reports tokens/s, MFU, peak memory and compile
   benchmarks Triton matmul templates against cuBLAS and tunes the generated kernels' launch configs;
 - autopar-master: autopar with ``pm.optimizer(autopar.MasterAdamW)``: the graph computes on
   persistent bf16 weight copies and one fused kernel per tensor updates the fp32 master and its
-  copy (``autopar.master_weights``).
+  copy (``autopar.runtime.master_weights``).
 
 ``--inductor KEY=VALUE,...`` sets ``torch._inductor.config`` options for every contender alike;
 ``--save-code`` writes the code Inductor generated for each contender to ``$OUT/code/``.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from autopar.examples.gpt import build, example_inputs
-from autopar.api import decide
+from autopar.planner.decide import decide
 
 CASES = [("gpt2", (1, 1, 4), 8, 1024), ("gpt3-1.3b", (1, 1, 8), 8, 2048), ("gpt3-175b", (1, 1, 8), 8, 2048)]
 

@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from autopar.api import decide
+from autopar.planner.decide import decide
 from autopar.examples.gpt import GPT, GPTConfig, example_inputs
 from autopar.passes.pipeline_split import pipeline_split_pass
-from autopar.pipeline import stage_of_nodes
+from autopar.passes.units import stage_of_nodes
 
 
 def _median_seconds(fn, repeats: int = 7) -> float:

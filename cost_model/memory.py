@@ -250,7 +250,7 @@ def compiled_kept(nodes, strategies: dict, size: int, recompute=()) -> dict:
     - A graph input costs nothing: parameters, buffers and the batch are alive anyway. A 16-bit
       copy of one that a matmul's backward reads is kept, though: for a float data input it is
       counted at the compute dtype; for a weight it is the step's working copy, which the planner
-      prices once per step (``autopar.precision.working_copy_ratio``), so it is left out here.
+      prices once per step (``autopar.passes.precision.working_copy_ratio``), so it is left out here.
     - A tensor some backward reads in a library kernel (matmul, attention, embedding) must exist,
       so it is saved (the partitioner bans its recompute). One read only by fused backward code
       (pointwise gradients, LayerNorm's or softmax's) may be recomputed there when it is a view,
@@ -360,7 +360,7 @@ def param_state(cap, strategies, fqns, tp: int, dp: int, zero: int, working_copy
     """(parameter bytes with a 16-bit step's working copy, gradient bytes, optimizer bytes) one
     rank holds of the parameters ``fqns``: their local shards under ``strategies``, Adam's two
     fp32 moments sharded over dp under ZeRO-1; ``working_copy`` as
-    ``autopar.precision.working_copy_ratio``."""
+    ``autopar.passes.precision.working_copy_ratio``."""
     params = 0.0
     for fqn in fqns:
         node = cap.params[fqn]
@@ -373,7 +373,7 @@ def param_state(cap, strategies, fqns, tp: int, dp: int, zero: int, working_copy
 def stage_terms(cap, strategies, mesh, nodes, regions, *, zero: int, microbatches: int, working_copy: float):
     """(params, gradients held through the forward, optimizer, one microbatch's activations,
     [(node, backward excess)]) of one stage's ``nodes`` with ``regions`` recomputed: the terms
-    of its peak (``autopar.memory_plan.memory_breakdown``)."""
+    of its peak (``autopar.planner.recompute.memory_breakdown``)."""
     held = microbatches > 1   # gradients accumulate over the step's microbatches
     members = set(nodes)
     fqns = [f for f, p in cap.params.items() if any(u in members for u in p.users)]

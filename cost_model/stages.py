@@ -2,7 +2,7 @@
 the point-to-point cost of a cut, the microbatches a schedule keeps in flight per stage, and the
 pipeline's makespan over a step (bubble included).
 
-The formulas are written out in ``autopar.stage_dp``'s module docstring, which searches over
+The formulas are written out in ``autopar.planner.stage_dp``'s module docstring, which searches over
 them: with stage times T_s on p ranks, v stages per rank and m microbatches,
 
     v = 1:  step = sum_s T_s + (m - 1) * max_s T_s
@@ -45,7 +45,7 @@ def check_schedule(schedule, v):
 
 def inflight_microbatches(p: int, m: int, v: int = 1, schedule: str = "1F1B") -> tuple[int, ...]:
     """f(s) for s = 0..p*v-1: microbatches whose activations stage s holds at its rank's peak
-    (``autopar.stage_dp``'s docstring derives them per schedule)."""
+    (``autopar.planner.stage_dp``'s docstring derives them per schedule)."""
     p, m, v = posint(p, "p"), posint(m, "m"), posint(v, "v")
     check_schedule(schedule, v)
     S = p * v
@@ -74,7 +74,7 @@ def pipeline_time(stage_times, p: int, m: int, v: int, *, add=math.fsum, maximum
 
 def state_bytes_per_param_byte(mesh, zero: int, working_copy: float = 0.0) -> float:
     """Parameter + gradient + Adam's two moments (the moments sharded over dp with ZeRO-1), plus
-    a 16-bit working copy's share (``autopar.precision.working_copy_ratio``)."""
+    a 16-bit working copy's share (``autopar.passes.precision.working_copy_ratio``)."""
     return 2.0 + working_copy + (2.0 / mesh.dp if zero else 2.0)
 
 

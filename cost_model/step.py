@@ -58,13 +58,14 @@ def rank_update_time(param_bytes: float, mesh, dev, zero: int, working_copy: boo
     return update_time(param_bytes, dev, working_copy=working_copy, optimizer_shards=mesh.dp if zero else 1)
 
 
-def plan_update_time(plan, dev) -> float:
-    """``rank_update_time`` of the pipeline rank holding the most parameters (read off its stages'
-    AdamW state: two fp32 moments per fp32 parameter, 1/dp of them under ZeRO-1)."""
-    dp, pp = plan.mesh[0], plan.mesh[1]
-    shards = dp if plan.zero else 1
-    per_rank = [sum(m.optimizer for m in plan.memory if m.stage % pp == r) * shards / 2 for r in range(pp)]
-    return update_time(max(per_rank, default=0.0), dev, working_copy=plan.precision != "fp32",
+def plan_update_time(memory, mesh, zero: int, precision: str, dev) -> float:
+    """``rank_update_time`` of the pipeline rank holding the most parameters, read off its stages'
+    ``memory`` (a plan's MemoryPlans): AdamW state is two fp32 moments per fp32 parameter, 1/dp of
+    them under ZeRO-1. ``mesh``: (dp, pp, tp)."""
+    dp, pp = mesh[0], mesh[1]
+    shards = dp if zero else 1
+    per_rank = [sum(m.optimizer for m in memory if m.stage % pp == r) * shards / 2 for r in range(pp)]
+    return update_time(max(per_rank, default=0.0), dev, working_copy=precision != "fp32",
                        optimizer_shards=shards)
 
 

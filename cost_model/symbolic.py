@@ -96,7 +96,7 @@ def cost_expr(model: torch.nn.Module, plan, layout, example_inputs=None, *, devi
 
     ``layout(cap, plan)``: the plan's decisions on a capture of the model, (strategy per node,
     layer units, node name -> stage; the last two empty without stages), as
-    ``autopar.pipeline.plan_layout`` reads them; it is given, not imported, because the
+    ``autopar.planner.stage_cut.plan_layout`` reads them; it is given, not imported, because the
     strategies and the units are the planner's, which the cost model does not import.
 
     ``example_inputs``: tensors whose dtypes (and dims past the second) the inputs have; by
@@ -132,7 +132,7 @@ def cost_expr(model: torch.nn.Module, plan, layout, example_inputs=None, *, devi
     to_global = {b: B / (mesh.dp * plan.microbatches)}
     compute, comm = compute.subs(to_global), comm.subs(to_global)
     stage_memory = tuple(m.subs(to_global) for m in stage_memory)
-    update = sympy.Float(plan_update_time(plan, dev))
+    update = sympy.Float(plan_update_time(plan.memory, plan.mesh, plan.zero, plan.precision, dev))
     return CostExpr(step_time(compute, [comm], update), compute, comm, update, _max(stage_memory), stage_memory, B, S,
                     (b0 * mesh.dp * plan.microbatches, s0))
 
@@ -262,7 +262,7 @@ def _records(cap, plan, layout, mesh, gpus_per_node: int, dev: DeviceSpec | None
     """The numeric model's per-node and per-stage quantities at the capture's current sizes
     ({key: number}), and what does not depend on the sizes (dtypes, collective kinds, stages;
     with ``dev``, the seconds of the data-parallel gradient sync)."""
-    from autopar.precision import working_copy_ratio
+    from autopar.passes.precision import working_copy_ratio
 
     strategies, units, where = layout(cap, plan)
     working_copy = working_copy_ratio(cap)

@@ -1,4 +1,4 @@
-"""The precision passes: 16-bit compute on a graph captured at fp32 (``autopar.precision`` has the
+"""The precision passes: 16-bit compute on a graph captured at fp32 (``autopar.runtime.precision`` has the
 recipe and the runtime's side of it: working copies, the working copy's bytes, loss scaling).
 
 - ``precision_pass`` is the runtime's rewrite: floating inputs and buffers are cast to the compute
@@ -157,3 +157,14 @@ def retyped(cap: Captured, precision: str) -> Captured:
         return cap
     gm, _ = run_passes(cap.gm, [(retype_pass, {"precision": precision})], prefix=rank_prefix("retype"))
     return cap.with_graph(gm)
+
+
+def working_copy_ratio(cap) -> float:
+    """Bytes of a step's 16-bit working copy (``WorkingCopies``) per byte of stored parameter:
+    0.5 for bf16 or fp16 compute on fp32 weights, 0 when the weights are used as they are.
+    ``cap``: as ``autopar.passes.precision.retyped`` returns it (its graph's ``meta["compute_dtype"]``)."""
+    dtype = cap.gm.meta.get("compute_dtype")
+    stored = {n.meta["val"].dtype for n in cap.params.values()}
+    if dtype is None or stored <= {dtype}:
+        return 0.0
+    return dtype.itemsize / max(d.itemsize for d in stored)

@@ -16,6 +16,7 @@ import atexit
 import pickle
 import shutil
 import tempfile
+import time
 import traceback
 
 from autopar.launch import spawn
@@ -41,10 +42,10 @@ class Job:
         """fn's return values, indexed by rank."""
         per_rank = _run(self.world)
         outcomes = [r[self.index] for r in per_rank]
-        errors = [f"rank {rank}:\n{value}" for rank, (ok, value) in enumerate(outcomes) if not ok]
+        errors = [f"rank {rank}:\n{value}" for rank, (ok, value, _) in enumerate(outcomes) if not ok]
         if errors:
             raise JobError(f"{self.fn.__module__}.{self.fn.__qualname__} failed in the pool:\n" + "\n".join(errors))
-        return [value for _, value in outcomes]
+        return [value for _, value, _ in outcomes]
 
 
 def job(world: int, fn, *args, timeout: float = 600.0, workdir: bool = False, lazy=None) -> Job:
@@ -58,10 +59,11 @@ def job(world: int, fn, *args, timeout: float = 600.0, workdir: bool = False, la
 def _run_all(rank, world, jobs):
     out = []
     for fn, args in jobs:
+        start = time.perf_counter()
         try:
-            out.append((True, fn(rank, world, *args)))
+            out.append((True, fn(rank, world, *args), time.perf_counter() - start))
         except Exception:
-            out.append((False, traceback.format_exc()))
+            out.append((False, traceback.format_exc(), time.perf_counter() - start))
     # plain pickle bytes: the pipe's own pickler would share every tensor through a file
     # descriptor, and a pool's worth of them runs out ("received 0 items of ancdata")
     return pickle.dumps(out)
@@ -90,3 +92,12 @@ def _run(world: int) -> list:
         previous = _RESULTS.get(world, [[] for _ in range(world)])
         _RESULTS[world] = [previous[r] + pickle.loads(res[r]) for r in range(world)]
     return _RESULTS[world]
+
+
+def timings() -> list[tuple[float, int, str]]:
+    """(seconds on rank 0, world size, job) of every job run so far, slowest first."""
+    out = []
+    for world, results in _RESULTS.items():
+        for j, (_, _, seconds) in zip(_JOBS[world], results[0]):
+            out.append((seconds, world, f"{j.fn.__module__}.{j.fn.__qualname__}"))
+    return sorted(out, reverse=True)

@@ -6,7 +6,7 @@ several consumers (q, k, v; gate, up) once per consumer, it left out the optimiz
 dp gradient sync) of the parameters, whose bytes the placements decide, and the plan priced the
 latency of the vocab-parallel loss's collectives twice. On Qwen2 shapes over 8 H100s auto was
 predicted at 255.8 ms against Megatron's 248.5 ms. The shared-gather pricing lives in the ILP
-(``autopar.ilp``'s shared groups), checked here against exhaustive search.
+(``autopar.planner.ilp``'s shared groups), checked here against exhaustive search.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 import autopar
 from autopar.examples.gpt import build
-from autopar.ilp import brute_force, evaluate, solve_strategies
+from autopar.planner.ilp import brute_force, evaluate, solve_strategies
 from autopar.cost_model.strategy import LAUNCH_OVERHEAD
 
 transformers = pytest.importorskip("transformers")
@@ -147,11 +147,11 @@ def test_qwen2_on_8_h100s(models):
 def test_the_solver_minimises_what_the_plan_is_priced_at(models, name, mesh):
     """The ILP's objective is the plan's predicted step time, but for the per-collective launch
     overhead the solver adds to break ties (dp = pp = 1: no stage schedule, no dp sync latency)."""
-    from autopar.api import decide
+    from autopar.planner.decide import decide
     from autopar.cost_model import get_device
     from autopar.mesh import Mesh
     from autopar.cost_model.step import param_byte_time
-    from autopar.planner import enumerate_strategies, solve
+    from autopar.planner.sharding import enumerate_strategies, solve
 
     model, x = models[name]
     cap, strategies, plan = decide(model, mesh, x, device="h100")

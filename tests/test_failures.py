@@ -12,7 +12,7 @@ import torch
 import autopar
 from autopar.examples.gpt import GPT, GPTConfig, example_inputs
 from autopar.launch import RankError, free_port, spawn
-from autopar.parallel_model import ParallelModel
+from autopar.runtime.parallel_model import ParallelModel
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
 BOUND_S = 60

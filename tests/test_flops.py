@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import autopar
 import pool
-from autopar.api import decide
+from autopar.planner.decide import decide
 from autopar.cost_model import DEVICES
 from autopar.examples.gpt import GPT, GPTConfig, build, example_inputs
 from autopar.flops import FlopsReport, flops_report, mfu, report_for, report_table

@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from autopar.ilp import InfeasibleError, Solution, brute_force, evaluate, solve_strategies
+from autopar.planner.ilp import InfeasibleError, Solution, brute_force, evaluate, solve_strategies
 
 
 def random_instance(seed, *, inf_frac=0.15, with_memory=False):

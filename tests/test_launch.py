@@ -131,7 +131,7 @@ def test_tensors_live_where_the_backend_talks(monkeypatch, backend, device):
 ])
 def test_compile_takes_inductor_modes_and_backends(monkeypatch, compile, expected):
     """``compile=`` names an Inductor mode or a torch.compile backend; False leaves the graph eager."""
-    from autopar.parallel_model import lower
+    from autopar.runtime.parallel_model import lower
 
     seen = []
     monkeypatch.setattr(torch, "compile", lambda gm, **kw: seen.append(kw) or gm)

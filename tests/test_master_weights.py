@@ -158,7 +158,7 @@ def test_foreign_parameters_are_refused():
     pm_free = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(TypeError):
         autopar.MasterAdamW(pm_free)   # it needs a ParallelModel's working weights
-    from autopar.master_weights import WorkingWeights
+    from autopar.runtime.master_weights import WorkingWeights
     working = WorkingWeights({"w": torch.nn.Parameter(torch.zeros(3))}, torch.bfloat16)
     with pytest.raises(ValueError, match="pm.optimizer"):
         autopar.MasterAdamW(pm_free, working)

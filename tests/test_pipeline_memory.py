@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from autopar.api import decide
+from autopar.planner.decide import decide
 from autopar.cost_model import get_device
 from autopar.cost_model.stages import unit_costs
 from autopar.examples.gpt import build, example_inputs
-from autopar.memory_plan import regions_for
+from autopar.planner.recompute import regions_for
 from autopar.mesh import Mesh
-from autopar.pipeline import layer_units
-from autopar.stage_dp import cut_stages
+from autopar.passes.units import layer_units
+from autopar.planner.stage_dp import cut_stages
 
 
 def test_recompute_lets_the_stage_dp_take_a_cut_that_misses_without_it():

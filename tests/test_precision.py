@@ -12,7 +12,7 @@ import torch
 import autopar
 from autopar.examples.gpt import example_inputs
 from autopar.plans import Plan, PlanFormatError
-from autopar.precision import LossScaler
+from autopar.runtime.precision import LossScaler
 import pool
 from parity import BATCH, SEQ, TINY, make_model, reference
 
@@ -254,7 +254,7 @@ def test_cost_model_prices_the_compute_dtype(plans):
 
 def _weight_casts(rank, world):
     """Casts of parameters inside the rank's graph, and the eager working copies' dtype, for one and two microbatches."""
-    from autopar.precision import cast
+    from autopar.runtime.precision import cast
 
     idx, tgt = example_inputs(TINY, BATCH, SEQ)
     out = []

@@ -222,7 +222,7 @@ def _capture_cumsums():
 
 
 def test_no_rule_warns_once_per_op_kind_with_its_cost():
-    from autopar.planner import enumerate_strategies
+    from autopar.planner.sharding import enumerate_strategies
     cap = _capture_cumsums()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -238,7 +238,7 @@ def test_no_rule_warns_once_per_op_kind_with_its_cost():
 
 
 def _rank_warnings(rank, world):
-    from autopar.planner import enumerate_strategies
+    from autopar.planner.sharding import enumerate_strategies
     cap = _capture_cumsums()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -1,4 +1,4 @@
-"""Pipeline stage-cut search (autopar.stage_dp) against brute force over every cut."""
+"""Pipeline stage-cut search (autopar.planner.stage_dp) against brute force over every cut."""
 import itertools
 import math
 import time
@@ -6,8 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from autopar.stage_dp import (StageCut, bubble_fraction, cut_stages, evaluate_cut,
-                              inflight_microbatches, min_peak_memory)
+from autopar.planner.stage_dp import StageCut, bubble_fraction, cut_stages, evaluate_cut, inflight_microbatches, min_peak_memory
 
 V1_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
 VN_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")

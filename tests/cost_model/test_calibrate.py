@@ -108,7 +108,7 @@ def test_attention_table_prices_fused_attention_only():
     """A profile's attention rate prices the sdpa nodes and nothing else; without it they are matmuls."""
     from autopar.cost_model.compute import attention_kind
     from autopar.cost_model.strategy import strategy_time
-    from autopar.api import decide
+    from autopar.planner.decide import decide
 
     model = build("tiny", device="meta", n_layer=2, block_size=64)
     inputs = example_inputs(model.config, 4, 64, device="meta")

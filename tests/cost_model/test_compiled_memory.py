@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
+from autopar.planner.decide import decide
 from autopar.cost_model.memory import activation_bytes, compiled_activation_bytes
 from autopar.examples.gpt import GPT, GPTConfig, example_inputs
 
@@ -99,7 +100,7 @@ def partitioner_saved(pm, inputs) -> tuple[int, int]:
 
 
 def predicted(model, inputs, precision):
-    cap, strategies, _ = autopar.api.decide(model, (1, 1, 1), inputs, precision=precision)
+    cap, strategies, _ = decide(model, (1, 1, 1), inputs, precision=precision)
     nodes = list(cap.gm.graph.nodes)
     return compiled_activation_bytes(nodes, strategies, 1), activation_bytes(nodes, strategies, 1)
 

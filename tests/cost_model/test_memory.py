@@ -4,10 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.api import decide
+from autopar.planner.decide import decide
 from autopar.cost_model.memory import activation_bytes, attention_core
 from autopar.examples.gpt import build
-from autopar.planner import find_blocks, with_regather
+from autopar.passes.units import find_blocks
+from autopar.planner.sharding import with_regather
 
 
 def _per_layer(s, b, h, a, t, sp, selective, attention="explicit"):

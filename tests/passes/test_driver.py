@@ -192,7 +192,7 @@ def test_the_passes_leave_a_capture_as_it_was():
     """autopar's own passes, run by the driver on a captured GPT, pass its check that the input is
     unchanged, and the capture's fingerprint is the same afterwards."""
     from autopar.examples.gpt import build, example_inputs
-    from autopar.memory_plan import regions_for
+    from autopar.planner.recompute import regions_for
     from autopar.passes.capture import capture_pass
     from autopar.passes.fp8 import fp8_linear_pass
     from autopar.passes.fuse_loss import cross_entropy_kernel_pass, fuse_loss_pass

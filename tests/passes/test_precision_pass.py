@@ -9,7 +9,7 @@ from autopar.examples.gpt import build, example_inputs
 from autopar.passes.capture import capture_pass
 from autopar.passes.driver import fingerprint
 from autopar.passes.precision import retyped
-from autopar.precision import working_copy_ratio
+from autopar.passes.precision import working_copy_ratio
 
 
 def _dtypes(cap, op: str) -> set[torch.dtype]:

@@ -55,7 +55,7 @@ from autopar.passes.capture import Captured, capture_pass
 from autopar.passes.rules import RULES, Strategy, is_float
 from autopar.passes.shard import shard_pass
 from autopar.placement import Partial, R, Replicate, Shard, local_shape, shard_tensor
-from autopar.planner import enumerate_strategies
+from autopar.planner.sharding import enumerate_strategies
 
 aten = torch.ops.aten
 RTOL, ATOL = 1e-5, 1e-6

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.mesh import Mesh
-from autopar.pipeline import layer_units
-from autopar.planner import PlanError, check_tp, divisors
+from autopar.passes.units import layer_units
+from autopar.errors import PlanError
+from autopar.planner.sharding import check_tp, divisors
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
     """Every (dp, pp, tp) with dp * pp * tp == world_size that the model and batch allow,
     fastest fitting mesh first.
 
-    ``price(mesh, microbatches)``: the candidate's Plan, or a ValueError saying why none fits
+    ``price(mesh, microbatches)``: the candidate's plan before it is built (its ``step_time`` and
+    ``peak_memory``: the figures its Plan will have), or a ValueError saying why none fits
     (no stage cut, or no recompute choice, within the memory); ``capture(inputs)``: the model
     traced at one microbatch, for the checks a mesh must pass before it is planned (tp divides
     the heads, pp at most the layer units); ``memory_budget``: bytes per device."""
@@ -58,12 +60,12 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
                 continue
             mesh = Mesh(dp, pp, tp)
             try:
-                plan = price(mesh, m)
+                decision = price(mesh, m)
             except ValueError as e:
                 out.append(MeshOption(mesh, m, math.inf, math.inf, False, str(e)))
                 continue
-            peak = max(mem.peak for mem in plan.memory)
-            out.append(MeshOption(mesh, m, plan.predicted_step_time, peak, peak <= memory_budget))
+            peak = decision.peak_memory
+            out.append(MeshOption(mesh, m, decision.step_time, peak, peak <= memory_budget))
     if not out:
         raise PlanError(f"no (dp, pp, tp) for {world_size} devices suits this model and a batch of {batch}")
     return sorted(out, key=lambda o: (not o.fits, o.step_time, o.peak_memory))

@@ -6,7 +6,7 @@ it; the cost of an edge is the collectives that move the producer's placement in
 the one the consumer asks for, forward and backward (``passes.reshard``), paid once
 per producer and form however many consumers want it so (the rewrite moves it once);
 a parameter's strategy also pays the optimizer update and dp gradient sync of its
-local shard. That is the step time ``build_plan`` prices. The ILP (``autopar.ilp``)
+local shard. That is the step time ``sharding_fields`` prices. The ILP (``autopar.planner.ilp``)
 picks the cheapest consistent assignment.
 
 Repeated transformer blocks are solved once: the ILP sees the non-block nodes plus
@@ -17,7 +17,6 @@ per block, and the ILP's size no longer grows with depth.
 """
 from __future__ import annotations
 
-import re
 import time
 from collections import Counter
 import dataclasses
@@ -30,17 +29,15 @@ from torch.fx import Node
 from autopar.cost_model import axis_is_inter_node, node_flops
 from autopar.cost_model.step import dp_sync_kinds, dp_sync_time, flat_compute_time, tp_comm_time
 from autopar.cost_model.strategy import move_time, param_memory, strategy_time, tp_collectives
-from autopar.ilp import solve_strategies
+from autopar.errors import PlanError
+from autopar.passes.units import find_blocks
+from autopar.planner.ilp import solve_strategies
 from autopar.passes.capture import Captured, graph_cached
 from autopar.passes.reshard import regather_candidate
 from autopar.passes.rules import RuleContext, Strategy, dim_labels, is_float, shape, strategies_for
 from autopar.placement import R, Placement, Shard, local_shape
 
 aten = torch.ops.aten
-
-
-class PlanError(ValueError):
-    """The model cannot be planned on this mesh; the message says why and what would work."""
 
 
 @dataclass
@@ -109,40 +106,6 @@ def enumerate_strategies(cap: Captured, tp: int, sequence_parallel) -> dict[Node
                 wanted.update(p for p, i in zip(s.inputs, user.all_input_nodes) if i is node)
         options[node] = [Strategy((), p) for p in sorted(wanted, key=str)]
     return options
-
-
-def _block_of(path: str) -> tuple[str, int] | None:
-    m = re.match(r"^(.*?)\.(\d+)(\.|$)", path)
-    return (m.group(1), int(m.group(2))) if m else None
-
-
-@graph_cached
-def find_blocks(cap: Captured) -> list[list[Node]] | None:
-    """The repeated blocks (nodes per block, in order) if the graph has identical ones."""
-    blocks: dict[int, list[Node]] = {}
-    prefix = None
-    for node in cap.gm.graph.nodes:
-        key = _block_of(node.meta.get("module_path") or "")
-        if node.op == "placeholder" and node.meta.get("kind") == "param":
-            key = _block_of(node.meta["fqn"])
-        if key is None:
-            continue
-        if prefix not in (None, key[0]):
-            return None
-        prefix = key[0]
-        blocks.setdefault(key[1], []).append(node)
-    if len(blocks) < 2 or sorted(blocks) != list(range(len(blocks))):
-        return None
-    ordered = [blocks[i] for i in range(len(blocks))]
-
-    def signature(nodes: list[Node]):
-        index = {n: k for k, n in enumerate(nodes)}
-        return [(n.op, str(n.target) if n.op == "call_function" else "", shape(n) if n.op != "output" and "val" in n.meta else None,
-                 tuple(index.get(i, -1) for i in n.all_input_nodes)) for n in nodes]
-    first = signature(ordered[0])
-    if any(signature(b) != first for b in ordered[1:]):
-        return None
-    return ordered
 
 
 def solve(cap: Captured, options: dict[Node, list[Strategy]], tp: int, dev, *,
@@ -223,7 +186,7 @@ def _edge_matrix(producer: Node, consumer: Node, slot: int, options, tp, dev, in
 
 
 def _shared_group(producer: Node, members, count: int, ids, options, tp, dev, inter_node):
-    """The ILP's shared group (``autopar.ilp``) of one producer's consumers: each consumer strategy
+    """The ILP's shared group (``autopar.planner.ilp``) of one producer's consumers: each consumer strategy
     asks for a form (placement, divergent) of the value, and every distinct form is paid once."""
     fl = is_float(producer)
     forms: dict[tuple, int] = {}
@@ -246,10 +209,11 @@ def _op_name(node: Node) -> str:
     return str(node.target) if isinstance(node.target, torch._ops.OpOverload) else node.target.__name__
 
 
-def build_plan(cap: Captured, assignment: Assignment, mesh, dev, *, sequence_parallel: bool,
+def sharding_fields(cap: Captured, assignment: Assignment, mesh, dev, *, sequence_parallel: bool,
                zero: int, microbatches: int, source: str, gpus_per_node: int = 8):
-    """Turn the chosen strategies into a ``Plan`` with placements, collectives and predicted times."""
-    from autopar.plans import CollectivePlan, NodePlan, ParamPlan, Plan
+    """The Plan's fields that the chosen strategies decide: placements, collectives, the step's
+    compute and communication without pipeline stages, model FLOPs."""
+    from autopar.plans import CollectivePlan, NodePlan, ParamPlan
 
     strategies = assignment.strategies
     tp, dp = mesh.tp, mesh.dp
@@ -280,10 +244,10 @@ def build_plan(cap: Captured, assignment: Assignment, mesh, dev, *, sequence_par
     colls = tuple(CollectivePlan(k, axis, ph, w, n, int(b)) for (k, axis, ph, w), (n, b) in agg.items())
     input_shapes = tuple(shape(i) for i in cap.inputs)
     model_flops = m * mesh.dp * sum(sum(node_flops(n)) for n in cap.gm.graph.nodes if n.op == "call_function")
-    dtype = next(iter(cap.params.values())).meta["val"].dtype if cap.params else torch.float32
-    return Plan((mesh.dp, mesh.pp, mesh.tp), input_shapes, bool(sequence_parallel), zero, m, dev.name,
-                tuple(params), nodes, colls, compute, comm, solve_seconds=assignment.solve_seconds, source=source,
-                model_flops=model_flops, peak_flops=dev.flops(dtype))
+    return dict(mesh=(mesh.dp, mesh.pp, mesh.tp), input_shapes=input_shapes, sequence_parallel=bool(sequence_parallel),
+                zero=zero, microbatches=m, device=dev.name, parameters=tuple(params), nodes=nodes, collectives=colls,
+                predicted_compute_s=compute, predicted_comm_s=comm, solve_seconds=assignment.solve_seconds,
+                source=source, model_flops=model_flops)
 
 
 def strategies_from_plan(cap: Captured, options: dict[Node, list[Strategy]], plan) -> dict[Node, Strategy]:

@@ -16,11 +16,15 @@ from autopar.passes.precision import precision_pass
 from autopar.passes.recompute import recompute_pass
 from autopar.passes.shard import shard_pass
 from autopar.passes.rules import is_float
+from autopar.passes.fuse_loss import cross_entropy_kernel_pass
+from autopar.passes.precision import compute_dtype
+from autopar.passes.units import stage_of_nodes
 from autopar.placement import Shard, local_shape, parse_placement, shard_tensor
 from autopar.kernels.fused_linear_ce import triton_available
-from autopar.master_weights import MasterAdamW, WorkingWeights
-from autopar.passes.fuse_loss import cross_entropy_kernel_pass
-from autopar.precision import LossScaler, WorkingCopies, compute_dtype
+from autopar.runtime.master_weights import MasterAdamW, WorkingWeights
+from autopar.runtime.pipeline import Pipeline
+from autopar.runtime.precision import LossScaler, WorkingCopies
+from autopar.runtime.zero import Zero1, clip_coefficient, scale_to_norm
 
 
 class ParallelModel:
@@ -45,9 +49,9 @@ class ParallelModel:
 
     With ``plan.precision`` "bf16" or "fp16" the graph computes at 16 bits, on one working copy
     of the weights per step, while parameters, gradients and optimizer state stay fp32 and
-    every gradient sum runs in fp32 (``autopar.precision``). With bf16, ``optimizer(MasterAdamW)``
+    every gradient sum runs in fp32 (``autopar.runtime.precision``). With bf16, ``optimizer(MasterAdamW)``
     keeps the fp32 weights in the optimizer and persistent bf16 copies in the graph, fusing the
-    casts into the update (``autopar.master_weights``). fp16 scales the loss
+    casts into the update (``autopar.runtime.master_weights``). fp16 scales the loss
     (``loss_scaler``); a step whose gradients overflow on any rank leaves every rank's
     gradients None, so the optimizer skips it, and sets ``step_skipped``.
 
@@ -78,10 +82,7 @@ class ParallelModel:
             # weights too with one microbatch on one stage (else ``WorkingCopies`` shares one copy)
             floats = {n.name for n in cap.gm.graph.nodes if n.op == "placeholder" and is_float(n)
                       and (in_graph or n.meta.get("kind") != "param")}
-            stage_of = None
-            if mesh.pp > 1:
-                from autopar.pipeline import stage_of_nodes
-                stage_of = stage_of_nodes(cap, plan)
+            stage_of = stage_of_nodes(cap, plan) if mesh.pp > 1 else None
             steps.append((precision_pass, dict(precision=plan.precision, floats=floats, stage_of=stage_of)))
         if plan.recompute_regions:
             steps.append((recompute_pass, dict(regions=[set(r) for r in plan.recompute_regions])))
@@ -105,8 +106,9 @@ class ParallelModel:
         self.step_skipped = False
         self._pipeline = None
         if mesh.pp > 1:
-            from autopar.pipeline import Pipeline
-            self._pipeline = Pipeline(self, gm, cap, plan, dmesh, lambda g: lower(g, compile), materialize)
+            self._pipeline = Pipeline(gm, cap, plan, dmesh, rank=self.coords["pp"], materialize=materialize,
+                                      buffers=self._buffers, device=self._device, prepare=self._casts,
+                                      loss_scale=lambda: self.loss_scale, wrap=lambda g: lower(g, compile))
             self._params = self._pipeline.params
         else:
             self._params = materialize(set(cap.params))
@@ -118,7 +120,8 @@ class ParallelModel:
         self._slots = [(n.meta.get("kind"), n.meta.get("fqn")) for n in gm.graph.nodes if n.op == "placeholder"]
         self._input_names = [n.name for n in cap.inputs]
         self._global_batch = plan.input_shapes[0][0] * mesh.dp * plan.microbatches if plan.input_shapes else None
-        self._zero = _Zero1(self) if plan.zero else None
+        self._zero = (Zero1(self._params, {f for f in self._params if self._sharded(f)}, group=self._dp_group,
+                            size=mesh.dp, rank=self.coords["dp"], norm=self._norm) if plan.zero else None)
         self._replaced = _adopt_shards(model, self._params, cap.params, self._device)
         self._ids = {id(p) for p in self._params.values()}
         # optimizers found able to step, with what they were checked against: the hook runs before
@@ -168,7 +171,7 @@ class ParallelModel:
     def optimizer(self, cls=torch.optim.AdamW, **kwargs):
         """An optimizer over the local shards; with zero=1 its state is also sharded over dp.
         ``cls=autopar.MasterAdamW`` (bf16) also makes the graph compute on persistent bf16 copies
-        that the optimizer writes (``autopar.master_weights``)."""
+        that the optimizer writes (``autopar.runtime.master_weights``)."""
         if cls is MasterAdamW:
             return MasterAdamW(self.parameters(), self._working_weights(), **kwargs)
         if self._zero is not None:
@@ -290,13 +293,13 @@ class ParallelModel:
         sq = torch.zeros(2)
         for fqn, p in self._params.items():
             grad = self._grad(p)
-            if grad is not None and self._owns(fqn):
+            if grad is not None and self.owns(fqn):
                 sq[0 if self._sharded(fqn) else 1] += grad.detach().float().pow(2).sum().cpu()
         norm = self._norm(sq)
         if self._master is not None:   # the update multiplies the gradients: no pass that rewrites them
-            self._master.grad_scale *= min(1.0, _clip_coef(max_norm, norm))
+            self._master.grad_scale *= min(1.0, clip_coefficient(max_norm, norm))
         else:
-            _scale([p.grad for p in self.parameters() if p.grad is not None], max_norm, norm)
+            scale_to_norm([p.grad for p in self.parameters() if p.grad is not None], max_norm, norm)
         return norm
 
     def _grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
@@ -314,12 +317,19 @@ class ParallelModel:
             sq = C.all_reduce(sq.to(self._device), self._pipeline.pp_group).cpu()
         return sq.sum().sqrt()
 
-    def _owns(self, fqn: str) -> bool:
-        """Whether this pipeline rank counts ``fqn`` (a weight on several stages counts once)."""
+    def owns(self, fqn: str) -> bool:
+        """Whether this pipeline rank counts ``fqn`` (a weight on several stages counts once: in
+        norms, gathers and checkpoints)."""
         return self._pipeline is None or self._pipeline.owner[fqn] == self.coords["pp"]
 
-    def _local_shape(self, fqn: str) -> tuple[int, ...]:
-        return next(tuple(p.local_shape) for p in self.plan.parameters if p.fqn == fqn)
+    @property
+    def zero(self) -> Zero1 | None:
+        """The ZeRO-1 state (the flat dp slice its optimizer steps), None without ZeRO."""
+        return self._zero
+
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers the module's own ``state_dict`` holds (what checkpoints and exports carry), by FQN."""
+        return {fqn: self._buffers[fqn] for fqn in self._persistent_buffers}
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -343,7 +353,7 @@ class ParallelModel:
                 fqn, full, pl = q.fqn, q.shape, self._placement[q.fqn]
                 x = tensor_of(self._params[fqn]) if fqn in self._params else None
                 if self._pipeline is not None:   # the owning stage's copy, sent to every pp rank
-                    mine = x if x is not None and self._owns(fqn) else torch.zeros(self._local_shape(fqn))
+                    mine = x if x is not None and self.owns(fqn) else torch.zeros(self.plan.param(fqn).local_shape)
                     x = C.all_reduce(mine.to(self._device), self._pipeline.pp_group)
                 if self._sharded(fqn):
                     x = C.all_gather(x.to(_comm_device()), pl.dim, self._tp_group, self.mesh.tp,
@@ -389,17 +399,6 @@ def _all_reduce_mean(tensors, group: str, size: int) -> list[torch.Tensor]:
     torch.cat([t.reshape(-1) for t in tensors], out=flat)
     flat = C.all_reduce(flat, group) / size
     return [piece.view_as(t) for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]))]
-
-
-def _clip_coef(max_norm, norm) -> float:
-    return max_norm / (float(norm) + 1e-6)
-
-
-def _scale(tensors, max_norm, norm):
-    coef = _clip_coef(max_norm, norm)
-    if coef < 1:
-        for t in tensors:
-            t.mul_(coef)
 
 
 def _adopt_shards(model, local: dict[str, torch.nn.Parameter], fqns, device) -> dict[int, weakref.ref]:
@@ -468,78 +467,3 @@ def _materialize(model, cap, placements, size: int, rank: int, fqns) -> dict[str
             local = shard_tensor(p.detach().to(dev), pl, size, rank)
         out[fqn] = torch.nn.Parameter(local, requires_grad=p.requires_grad)
     return out
-
-
-class _Zero1:
-    """ZeRO stage 1: each dp rank keeps optimizer state for 1/dp of a flat copy of the shards.
-
-    After backward the gradients are reduce-scattered (averaged) into this rank's slice;
-    the optimizer updates that slice; an all-gather rebuilds every local parameter."""
-
-    def __init__(self, pm: ParallelModel):
-        self.pm = pm
-        self.params = list(pm._params.values())
-        self.sizes = [p.numel() for p in self.params]
-        n, dp = sum(self.sizes), pm.mesh.dp
-        self.chunk = -(-n // dp)
-        self.total = self.chunk * dp
-        self.lo = pm.coords["dp"] * self.chunk
-        mask = torch.cat([torch.full((p.numel(),), float(pm._sharded(f)))
-                          for f, p in pm._params.items()] + [torch.zeros(self.total - n)])
-        self.sharded_mask = mask[self.lo:self.lo + self.chunk]
-        self.shard = torch.nn.Parameter(self._flat(self.params)[self.lo:self.lo + self.chunk].clone())
-
-    def _flat(self, tensors):
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        return torch.nn.functional.pad(flat, (0, self.total - flat.numel()))
-
-    def make_optimizer(self, cls, **kwargs):
-        return _Zero1Optimizer(self, cls([self.shard], **kwargs))
-
-    def reduce_scatter_grads(self):
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = self._flat(grads)
-        self.shard.grad = C.reduce_scatter(flat, 0, self.pm._dp_group, self.pm.mesh.dp) / self.pm.mesh.dp
-        for p in self.params:
-            p.grad = None   # the full gradients are not kept: that is ZeRO's saving
-
-    def clip_grad_norm_(self, max_norm):
-        # no gradient: an fp16 step dropped on overflow, whose norm is 0
-        grad = self.shard.grad if self.shard.grad is not None else torch.zeros_like(self.shard)
-        g = grad.float()
-        sq = torch.stack([(g.pow(2) * self.sharded_mask).sum(), (g.pow(2) * (1 - self.sharded_mask)).sum()])
-        sq = C.all_reduce(sq, self.pm._dp_group)
-        norm = self.pm._norm(sq)
-        _scale([grad], max_norm, norm)
-        return norm
-
-    def all_gather_params(self):
-        dp = self.pm.mesh.dp
-        with torch.no_grad():
-            flat = C.all_gather(self.shard.detach(), 0, self.pm._dp_group, dp, self.pm.coords["dp"],
-                                self.total, False)
-            for p, piece in zip(self.params, flat[:sum(self.sizes)].split(self.sizes)):
-                p.copy_(piece.view_as(p))
-
-
-class _Zero1Optimizer:
-    """A torch optimizer over this rank's flat slice, followed by the parameter all-gather."""
-
-    def __init__(self, zero: _Zero1, inner: torch.optim.Optimizer):
-        self.zero, self.inner = zero, inner
-        self.param_groups = inner.param_groups
-
-    def step(self):
-        self.inner.step()
-        self.zero.all_gather_params()
-
-    def zero_grad(self, set_to_none: bool = True):
-        self.inner.zero_grad(set_to_none=set_to_none)
-        for p in self.zero.params:
-            p.grad = None
-
-    def state_dict(self):
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state):
-        self.inner.load_state_dict(state)

@@ -7,16 +7,17 @@ the microbatches the schedule keeps in flight there, the gradients when they out
 forward's end (``backward_excess``: gradients as they arrive, gradient buffers, net of the
 activations freed by then); their sum is the peak. ``recompute="auto"`` picks per block none / selective / full
 with the smallest recompute time that brings every stage under the memory budget (an ILP over
-the blocks, ``autopar.ilp``), or says the smallest peak any choice reaches.
+the blocks, ``autopar.planner.ilp``), or says the smallest peak any choice reaches.
 """
 from __future__ import annotations
 
 from autopar.cost_model.memory import attention_core, compiled_kept, stage_terms
 from autopar.cost_model.strategy import strategy_time
-from autopar.ilp import InfeasibleError, solve_strategies
+from autopar.planner.ilp import InfeasibleError, solve_strategies
 from autopar.plans import MemoryPlan
-from autopar.planner import PlanError, find_blocks
-from autopar.precision import working_copy_ratio
+from autopar.errors import PlanError
+from autopar.passes.units import find_blocks
+from autopar.passes.precision import working_copy_ratio
 
 MODES = ("none", "selective", "full")
 

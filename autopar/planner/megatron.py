@@ -143,7 +143,8 @@ def megatron_options(cap: Captured, options: dict, sequence_parallel: bool) -> d
     parallelism every activation of the transformer layers outside their tensor-parallel
     regions sharded on sequence (the embeddings' layout is left to the solver)."""
     from autopar.passes.rules import dim_labels
-    from autopar.planner import find_blocks, pin_parameters
+    from autopar.passes.units import find_blocks
+    from autopar.planner.sharding import pin_parameters
 
     out = pin_parameters(options, cap, megatron_placements(cap, options))
     labels = dim_labels(cap.gm, cap.inputs)

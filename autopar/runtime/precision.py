@@ -82,17 +82,6 @@ class WorkingCopies:
         return self._copies[name]
 
 
-def working_copy_ratio(cap) -> float:
-    """Bytes of a step's 16-bit working copy (``WorkingCopies``) per byte of stored parameter:
-    0.5 for bf16 or fp16 compute on fp32 weights, 0 when the weights are used as they are.
-    ``cap``: as ``autopar.passes.precision.retyped`` returns it (its graph's ``meta["compute_dtype"]``)."""
-    dtype = cap.gm.meta.get("compute_dtype")
-    stored = {n.meta["val"].dtype for n in cap.params.values()}
-    if dtype is None or stored <= {dtype}:
-        return 0.0
-    return dtype.itemsize / max(d.itemsize for d in stored)
-
-
 # ---- fp16 loss scaling ---------------------------------------------------------------------
 
 class LossScaler:

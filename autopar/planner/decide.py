@@ -1,0 +1,440 @@
+"""The order of decisions: capture, tensor-parallel strategies, stage cuts, recompute, memory, the Plan.
+
+``decide`` is what ``autopar.plan`` and rank 0 of ``autopar.parallelize`` run. Every figure comes
+from ``cost_model``; the searches are the modules beside this one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from autopar.cost_model import get_device
+from autopar.cost_model.stages import OP_OVERHEAD, SCHEDULES, rank_param_bytes, unit_costs
+from autopar.cost_model.step import dp_sync_time, param_byte_time, plan_update_time, rank_update_time, step_time
+from autopar.errors import PlanError, PlanFormatError
+from autopar.mesh import Mesh
+from autopar.passes.capture import Captured, capture_pass
+from autopar.passes.precision import compute_dtype, retyped, working_copy_ratio
+from autopar.passes.units import layer_units, stage_of_nodes
+from autopar.placement import Shard
+from autopar.planner.megatron import megatron_options
+from autopar.planner.mesh_search import rank_meshes, ranking_table
+from autopar.planner.recompute import choose_recompute, memory_breakdown, regions_for
+from autopar.planner.sharding import (Assignment, check_tp, enumerate_strategies, sharding_fields, solve,
+                                      strategies_from_plan, with_regather)
+from autopar.planner.stage_cut import choose_cut
+from autopar.planner.stage_dp import cut_stages, inflight_microbatches, min_peak_memory
+from autopar.plans import Plan, StagePlan, axis_warnings, edited_source, fit_warning
+
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(value) -> float | None:
+    """``"60GiB"``, ``"500MB"`` or a number of bytes."""
+    if value is None or isinstance(value, (int, float)):
+        return value
+    m = re.fullmatch(r"\s*([\d.]+)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"memory_budget {value!r}: expected a size such as '60GiB' or '500MB'")
+    return float(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def check_knobs(mesh: Mesh, recompute, schedule, zero, sequence_parallel):
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
+    if recompute not in ("none", "selective", "full", "auto"):
+        raise ValueError(f"recompute={recompute!r}: expected 'none', 'selective', 'full' or 'auto'")
+    if zero not in (0, 1):
+        raise ValueError(f"zero={zero!r}: autopar supports zero=0 (replicated optimizer state) "
+                         "and zero=1 (optimizer state sharded over dp)")
+    if sequence_parallel not in (True, False, "auto"):
+        raise ValueError(f"sequence_parallel={sequence_parallel!r}: expected True, False or 'auto'")
+
+
+def _local_inputs(example_inputs, mesh: Mesh, microbatches: int):
+    """One dp rank's microbatch of the global example batch (dim 0 of every tensor)."""
+    batch = example_inputs[0].shape[0]
+    if batch % (mesh.dp * microbatches):
+        raise ValueError(f"batch size {batch} is not divisible by dp={mesh.dp} x microbatches="
+                         f"{microbatches}; use a batch that is a multiple of {mesh.dp * microbatches}")
+    b = batch // (mesh.dp * microbatches)
+    return tuple(x[:b] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in example_inputs)
+
+
+def _virtual(schedule: str, virtual_stages) -> int:
+    v = virtual_stages or (2 if schedule.startswith("Interleaved") else 1)
+    if v > 1 and not schedule.startswith("Interleaved"):
+        raise ValueError(f"virtual_stages={v} needs an interleaved schedule, not {schedule}")
+    return v
+
+
+def _microbatch_options(mesh: Mesh, batch: int, schedule: str, microbatches) -> list[int]:
+    """The microbatch counts the schedule can take for this batch (one, if the user fixed it)."""
+    local = batch // mesh.dp if batch % mesh.dp == 0 else batch
+    if microbatches is not None:
+        if mesh.pp > 1 and microbatches < mesh.pp:
+            raise ValueError(f"microbatches={microbatches} is fewer than the {mesh.pp} pipeline stages; "
+                             f"use at least {mesh.pp} so every stage has work")
+        if schedule.startswith("Interleaved") and microbatches % mesh.pp:
+            raise ValueError(f"{schedule} needs the microbatch count to be a multiple of pp={mesh.pp}; "
+                             f"got {microbatches}")
+        return [microbatches]
+    if mesh.pp == 1:
+        return [1]
+    ok = [m for m in range(mesh.pp, local + 1) if local % m == 0
+          and (not schedule.startswith("Interleaved") or m % mesh.pp == 0)]
+    if not ok:
+        raise ValueError(f"a dp-local batch of {local} cannot be split into at least pp={mesh.pp} "
+                         f"microbatches for {schedule}; use a batch that is a multiple of {mesh.dp * mesh.pp}")
+    return ok
+
+
+def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto", recompute="none",
+           memory_budget=None, schedule="1F1B", microbatches=None, zero=0, device="h100",
+           gpus_per_node=8, stages=None, virtual_stages=None, world_size=None,
+           precision="fp32") -> tuple[Captured, dict, Plan]:
+    """Capture and plan: the graph, the strategy per node and the Plan (no process group needed).
+
+    With pp > 1 and no ``microbatches``, every count the schedule can take is planned and
+    the one with the lowest predicted step time is kept. ``mesh="auto"`` needs ``world_size``:
+    every valid (dp, pp, tp) is ranked first (``autopar.planner.mesh_search``) and the best one planned."""
+    notes = ()
+    compute_dtype(precision)   # an unknown precision fails before any planning
+    captures: dict = {}
+
+    def capture(inputs) -> Captured:   # the mesh search and the plan often trace the same shapes
+        key = tuple((tuple(x.shape), x.dtype) for x in inputs)
+        if key not in captures:
+            captures[key] = capture_pass(model, inputs, require_loss=True)
+        return captures[key]
+
+    knobs = dict(plan=plan, sequence_parallel=sequence_parallel, memory_budget=memory_budget,
+                 schedule=schedule, zero=zero, device=device, gpus_per_node=gpus_per_node, stages=stages,
+                 virtual_stages=virtual_stages, recompute=recompute, precision=precision, capture=capture)
+    planned: dict = {}
+    if isinstance(mesh, str) and mesh == "auto":
+        def price(candidate: Mesh, m: int) -> Decision:   # the candidate's plan, as it is made below
+            check_knobs(candidate, recompute, schedule, zero, sequence_parallel)
+            planned[(candidate, m)] = _decide(model, candidate, example_inputs, microbatches=m, **knobs)
+            return planned[(candidate, m)]
+
+        budget = parse_bytes(memory_budget)
+        mesh, microbatches, notes = _auto_mesh(example_inputs, world_size, price=price, capture=capture,
+                                               gpus_per_node=gpus_per_node,
+                                               memory_budget=get_device(device).memory_bytes if budget is None
+                                               else budget)
+    mesh = Mesh.parse(mesh)
+    check_knobs(mesh, recompute, schedule, zero, sequence_parallel)
+    options = _microbatch_options(mesh, example_inputs[0].shape[0], schedule, microbatches)
+    if isinstance(plan, Plan):
+        options = [plan.microbatches]
+    best = (planned.get((mesh, max(options)))
+            or _decide(model, mesh, example_inputs, microbatches=max(options), **knobs))
+    if len(options) > 1:
+        m = _best_microbatches(best, mesh, options, knobs)
+        if m != best.fields["microbatches"]:
+            best = _decide(model, mesh, example_inputs, microbatches=m, **knobs)
+    return best.cap, best.strategies, best.plan(notes)
+
+
+def _best_microbatches(planned: Decision, mesh: Mesh, options: list[int], knobs: dict) -> int:
+    """The microbatch count with the lowest predicted step time, from one plan at the most microbatches.
+
+    Per-unit compute, activations and point-to-point bytes scale with the microbatch size; the
+    per-op launch overhead does not. Counts whose stages cannot fit the memory budget are skipped."""
+
+    cap, strategies, planned_m = planned.cap, planned.strategies, planned.fields["microbatches"]
+    dev = get_device(knobs["device"])
+    units = layer_units(cap)
+    recompute = knobs["recompute"]
+    # the activations each cut is priced with, as _stage_fields tries them
+    modes = ["none", "full"] if recompute == "auto" else [recompute]
+    acts = []
+    for mode in modes:
+        time, static, act, boundary = unit_costs(cap, strategies, units, mesh, dev, zero=knobs["zero"],
+                                                 gpus_per_node=knobs["gpus_per_node"],
+                                                 working_copy=working_copy_ratio(cap), regions=regions_for(cap, mode))
+        acts.append(act)
+    overhead = OP_OVERHEAD * np.array([len(u.nodes) for u in units])
+    budget = parse_bytes(knobs["memory_budget"])
+    budget = dev.memory_bytes if budget is None else budget
+    zero, gpus_per_node, working_copy = knobs["zero"], knobs["gpus_per_node"], working_copy_ratio(cap)
+    best, best_time = planned_m, float("inf")
+    for m in options:
+        grow = planned_m / m   # how much larger each microbatch is
+        cut = None
+        for act in acts:
+            try:
+                cut = cut_stages((time - overhead) * grow + overhead, static, act * grow, boundary * grow, p=mesh.pp,
+                                 m=m, v=_virtual(knobs["schedule"], knobs["virtual_stages"]),
+                                 schedule=knobs["schedule"], memory_budget=budget)
+                break
+            except ValueError:
+                continue
+        if cut is None:
+            continue
+        # the cut decides which parameters the busiest rank syncs and updates
+        params = rank_param_bytes(static, cut.bounds, mesh, zero, working_copy)
+        seconds = step_time(cut.step_time, [dp_sync_time(params, mesh, dev, zero, gpus_per_node)],
+                            rank_update_time(params, mesh, dev, zero, working_copy > 0))
+        if seconds < best_time:
+            best, best_time = m, seconds
+    return best
+
+
+def _auto_mesh(example_inputs, world_size, **kw):
+    """The fastest (dp, pp, tp) that fits, its microbatch count, and the ranking as plan notes."""
+    if not world_size:
+        raise ValueError('mesh="auto" needs the number of devices: pass world_size= (the CLI\'s --gpus)')
+    options = rank_meshes(world_size, example_inputs, **kw)
+    table = ranking_table(options)
+    best = options[0]
+    if not best.fits:
+        closest = min(options, key=lambda o: o.peak_memory)
+        need = (f"the closest, {closest.mesh}, needs {closest.peak_memory / 2**30:.1f} GiB per device"
+                if np.isfinite(closest.peak_memory) else f"for {closest.mesh}: {closest.reason}")
+        raise PlanError(f"no mesh of {world_size} devices fits in memory; {need}:\n{table}")
+    note = f"mesh chosen automatically among {len(options)} candidates for {world_size} devices:\n{table}"
+    return best.mesh, best.microbatches, (note,)
+
+
+@dataclass
+class Decision:
+    """One candidate's decisions and figures, before they become a Plan: what the mesh ranking and
+    the microbatch choice compare, and what ``plan`` turns into the one Plan once it has won.
+
+    ``fields``: every field of the Plan except its notes and warnings (derived only for the plan
+    that is kept: they price remedies, which the losing candidates need not)."""
+
+    cap: Captured
+    strategies: dict
+    fields: dict
+    dev: object
+    budget: float | None
+    gpus_per_node: int
+    given: Plan | None = None
+
+    @property
+    def step_time(self) -> float:
+        f = self.fields
+        return step_time(f["predicted_compute_s"], [f["predicted_comm_s"]], f["predicted_update_s"])
+
+    @property
+    def peak_memory(self) -> float:
+        return max(m.peak for m in self.fields["memory"])
+
+    def plan(self, notes: tuple[str, ...] = ()) -> Plan:
+        """The Plan, built once: the fields, the given plan's notes and model, ``notes``, the warnings."""
+        fields = dict(self.fields)
+        if self.given is not None:
+            fields.update(notes=self.given.notes, model=self.given.model)
+        fields["notes"] = fields.get("notes", ()) + tuple(notes)
+        fields["warnings"] = _warnings(_view(fields), self.cap, self.strategies, Mesh(*fields["mesh"]),
+                                       self.dev, self.budget, self.gpus_per_node)
+        return Plan(**fields)
+
+
+def _view(fields: dict) -> SimpleNamespace:
+    """A Plan's fields read as its attributes, its defaults where ``fields`` has none: what the checks
+    that read a plan (``derives_as``, the warnings) see before the Plan is built."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Plan) if f.default is not dataclasses.MISSING}
+    return SimpleNamespace(**{**defaults, **fields})
+
+
+def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budget, schedule, microbatches,
+            zero, device, gpus_per_node, stages, virtual_stages, recompute, precision, capture) -> Decision:
+    m = microbatches
+    v = _virtual(schedule, virtual_stages)
+    dev = get_device(device)
+    cap = capture(_local_inputs(example_inputs, mesh, m))
+    check_tp(cap, mesh.tp)
+    if isinstance(plan, str) and plan not in ("auto", "megatron"):
+        if not plan.lstrip().startswith("{") and not Path(plan).exists():
+            raise ValueError(f"plan={plan!r}: expected 'auto', 'megatron', a Plan or a plan JSON path")
+        plan = Plan.from_json(plan)
+    given = plan if isinstance(plan, Plan) else None
+    precision = given.precision if given is not None else precision
+    cap = retyped(cap, precision)   # price compute, activations and collectives at the compute dtype
+    options = enumerate_strategies(cap, mesh.tp, sequence_parallel)   # on the retyped graph's nodes
+    regions = None
+    if given is not None:   # run as written: re-derive its collectives, times and memory from its choices
+        if tuple(given.mesh) != (mesh.dp, mesh.pp, mesh.tp):
+            raise PlanError(f"plan.mesh {tuple(given.mesh)} does not match the mesh {mesh}")
+        if tuple(map(tuple, given.input_shapes)) != tuple(tuple(i.meta["val"].shape) for i in cap.inputs):
+            raise PlanError(f"plan.input_shapes {given.input_shapes} do not match this batch's "
+                            "microbatch shapes; re-plan for this batch size")
+        assignment = Assignment(strategies_from_plan(cap, options, given), options, given.solve_seconds, 0.0)
+        schedule, v, zero, recompute = given.schedule, given.virtual_stages, given.zero, given.recompute
+        stages = [s.modules for s in given.stages] or None
+        regions = _regions_from_plan(cap, given)
+        plan = given.source
+    elif plan == "megatron" or plan == "auto":
+        if plan == "megatron" and mesh.tp > 1:
+            options = megatron_options(cap, options, sequence_parallel is not False)
+        assignment = solve(cap, options, mesh.tp, dev, inter_node=mesh.tp > gpus_per_node,
+                           memory_budget=parse_bytes(memory_budget) if recompute != "auto" else None,
+                           param_byte_seconds=param_byte_time(mesh, dev, zero=zero, working_copy=precision != "fp32",
+                                                              gpus_per_node=gpus_per_node))
+    else:
+        raise ValueError(f"plan={plan!r}: expected 'auto', 'megatron', a Plan or a plan JSON path")
+    budget = parse_bytes(memory_budget)
+    sp = any(isinstance(s.output, Shard) and n.target is torch.ops.aten.layer_norm.default
+             for n, s in assignment.strategies.items())
+
+    def fields_of(assignment, recompute) -> dict:
+        fields = sharding_fields(cap, assignment, mesh, dev, sequence_parallel=sp, zero=zero, microbatches=m,
+                                 source=plan, gpus_per_node=gpus_per_node)
+        fields.update(schedule=schedule, virtual_stages=v)
+        if mesh.pp > 1:
+            fields.update(_stage_fields(cap, assignment.strategies, mesh, dev, schedule=schedule, virtual=v,
+                                        microbatches=m, zero=zero, gpus_per_node=gpus_per_node, memory_budget=budget,
+                                        stages=stages, recompute=recompute, regions=regions))
+        fields.update(_memory_fields(cap, assignment.strategies, mesh, dev, fields, recompute=recompute,
+                                     budget=budget, zero=zero, regions=regions))
+        return fields
+
+    if given is None and sp and budget is not None and _over(lambda: fields_of(assignment, "none"), budget):
+        # Megatron's storage rule before any recompute: an all-gather is cheaper than a forward
+        assignment = dataclasses.replace(assignment, strategies=with_regather(assignment.strategies))
+    fields = fields_of(assignment, recompute)
+    if given is not None:   # a plan read back unchanged (parallelize broadcasts JSON) keeps its source
+        fields["source"] = given.source if given.derives_as(_view(fields)) else edited_source(given.source)
+    fields.update(precision=precision, peak_flops=dev.flops(compute_dtype(precision)),
+                  predicted_update_s=plan_update_time(fields["memory"], fields["mesh"], zero, precision, dev))
+    return Decision(cap, assignment.strategies, fields, dev, budget, gpus_per_node, given)
+
+
+def _warnings(result, cap, strategies, mesh, dev, budget, gpus_per_node: int) -> tuple[str, ...]:
+    """The plan's warnings: a mesh axis doing no work, a peak that the device (or memory_budget) cannot
+    hold. ``result``: the plan's fields, as attributes."""
+    def full_recompute_peak():
+        try:
+            full = _memory_fields(cap, strategies, mesh, dev, vars(result), recompute="full", budget=budget,
+                                  zero=result.zero)
+        except PlanError:   # no repeated blocks to recompute
+            return None
+        return max(m.peak for m in full["memory"])
+
+    def deeper_pipeline():
+        """The least pp, doubling this one (dp and tp kept, one sequence per microbatch), whose best
+        stage cut fits: the check the planner makes at that pp, on this capture's unit costs."""
+
+        try:
+            units = layer_units(cap)
+        except PlanError:   # no blocks to cut between
+            return None
+        size = result.input_shapes[0][0]   # the captured microbatch; unit costs scale with it
+        local = size * result.microbatches
+        pp = 2 * mesh.pp
+        # a unit's bytes do not depend on pp (only the cut and the microbatches in flight do): price them once
+        time, static, act, boundary = unit_costs(cap, strategies, units, Mesh(mesh.dp, pp, mesh.tp), dev,
+                                                 zero=result.zero, gpus_per_node=gpus_per_node,
+                                                 working_copy=working_copy_ratio(cap),
+                                                 regions=_regions_from_plan(cap, result))
+        while pp * result.virtual_stages <= len(units) and pp <= local:
+            if local % pp == 0:
+                peak, _ = min_peak_memory(time / size, static, act / size, boundary / size, p=pp, m=local,
+                                          v=result.virtual_stages, schedule=result.schedule)
+                if peak <= limit:
+                    return (mesh.dp, pp, mesh.tp), peak
+            pp *= 2
+        return None
+
+    limit, where = (budget, "the memory budget") if budget is not None else (dev.memory_bytes, f"one {dev.name}")
+    fit = fit_warning(result, limit, where, full_recompute_peak, deeper_pipeline)
+    return tuple(axis_warnings(result)) + ((fit,) if fit else ())
+
+
+def _over(make_fields, budget: float) -> bool:
+    """Whether the plan whose fields ``make_fields()`` gives misses the memory budget (or no cut fits it)."""
+    try:
+        fields = make_fields()
+    except ValueError:   # a PlanError, or the stage DP's: no cut fits the budget
+        return True
+    return max(m.peak for m in fields["memory"]) > budget
+
+
+def _regions_from_plan(cap, plan: Plan) -> list:
+    by_name = {n.name: n for n in cap.gm.graph.nodes}
+    for i, region in enumerate(plan.recompute_regions):
+        unknown = [n for n in region if n not in by_name]
+        if unknown:
+            raise PlanFormatError(f"plan.recompute_regions[{i}]: the graph has no node {', '.join(unknown)}")
+    return [[by_name[n] for n in region] for region in plan.recompute_regions]
+
+
+def _memory_fields(cap, strategies, mesh, dev, fields: dict, *, recompute: str, budget, zero: int,
+                   regions=None) -> dict:
+    """The plan's recompute regions (chosen for ``recompute``, or as given) and memory per stage, for
+    the stages, microbatches and schedule in ``fields``."""
+
+    stage_nodes = inflight = None
+    stages, microbatches = fields.get("stages", ()), fields["microbatches"]
+    if stages:
+        where = stage_of_nodes(cap, SimpleNamespace(stages=stages))
+        stage_nodes = [[n for n in cap.gm.graph.nodes if n.op == "call_function" and where.get(n.name, len(stages) - 1) == s]
+                       for s in range(len(stages))]
+        inflight = inflight_microbatches(mesh.pp, microbatches, fields["virtual_stages"], fields["schedule"])
+    if regions is None and recompute == "auto":
+        if budget is None:
+            raise ValueError("recompute='auto' needs memory_budget= (e.g. '60GiB')")
+        regions, _ = choose_recompute(cap, strategies, mesh, dev, zero=zero, budget=budget,
+                                      microbatches=microbatches, stage_nodes=stage_nodes, inflight=inflight)
+    elif regions is None:
+        regions = regions_for(cap, recompute)
+    memory = memory_breakdown(cap, strategies, mesh, zero=zero, regions=regions, stage_nodes=stage_nodes,
+                              inflight=inflight, microbatches=microbatches)
+    return dict(recompute=recompute, memory=memory, recompute_regions=tuple(tuple(n.name for n in r) for r in regions))
+
+
+def _stage_fields(cap, strategies, mesh, dev, *, schedule, virtual, microbatches: int, zero, gpus_per_node,
+                  memory_budget, stages, recompute: str, regions=None) -> dict:
+    """The plan's pipeline stages, cut by the cost model (or as ``stages`` says), and the step's
+    compute and dp communication they give.
+
+    The cut prices each unit's activations with ``regions`` recomputed (a given plan's) or those
+    ``recompute`` names; under recompute="auto", with none when a cut fits so, else with every
+    block recomputed (the least any choice keeps); ``_memory_fields`` then chooses per block."""
+
+    units = layer_units(cap)
+    working_copy = working_copy_ratio(cap)
+
+    def cut_with(recomputed):
+        costs = unit_costs(cap, strategies, units, mesh, dev, zero=zero, gpus_per_node=gpus_per_node,
+                           working_copy=working_copy, regions=recomputed)
+        return costs, choose_cut(costs, units, mesh, schedule=schedule, microbatches=microbatches,
+                                 virtual=virtual, stages=stages,
+                                 memory_budget=memory_budget if memory_budget is not None else dev.memory_bytes)
+
+    if regions is None and recompute == "auto":
+        try:
+            costs, cut = cut_with(regions_for(cap, "none"))
+        except PlanError:   # the stages= override itself is wrong: recompute does not mend it
+            raise
+        except ValueError:   # no cut fits without recompute
+            costs, cut = cut_with(regions_for(cap, "full"))
+    else:
+        costs, cut = cut_with(regions if regions is not None else regions_for(cap, recompute))
+    stage_plans = tuple(StagePlan(s, s % mesh.pp, tuple(m for u in units[a:b] for m in u.modules),
+                                  float(cut.stage_times[s]), float(cut.rank_memory[s % mesh.pp]))
+                        for s, (a, b) in enumerate(cut.bounds))
+    rank_params = rank_param_bytes(costs[1], cut.bounds, mesh, zero, working_copy)
+    return dict(stages=stage_plans, predicted_compute_s=float(cut.step_time),
+                predicted_comm_s=dp_sync_time(rank_params, mesh, dev, zero, gpus_per_node))
+
+
+def rebuild(model, plan: Plan, example_inputs, *, sequence_parallel="auto") -> tuple[Captured, dict]:
+    """The capture and the strategy per node that a decided ``plan`` names, pricing nothing: what
+    a rank needs to build its program from the plan rank 0 broadcast."""
+    mesh = Mesh(*plan.mesh)
+    cap = capture_pass(model, _local_inputs(example_inputs, mesh, plan.microbatches), require_loss=True)
+    cap = retyped(cap, plan.precision)   # the rewrite reads the compute dtype the plan was made at
+    options = enumerate_strategies(cap, mesh.tp, sequence_parallel)
+    return cap, strategies_from_plan(cap, options, plan)

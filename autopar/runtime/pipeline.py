@@ -1,0 +1,108 @@
+"""The pipeline at run time: this rank's stage graphs on torch.distributed.pipelining.
+
+``passes.pipeline_split`` makes the stage graphs from the plan's stages; each runs as a
+``PipelineStage`` under the plan's schedule; a weight held by several stages has its gradient
+summed over them.
+"""
+from __future__ import annotations
+
+import torch
+
+from autopar import collectives as C
+from autopar.mesh import group_name
+from autopar.passes.capture import Captured
+from autopar.passes.pipeline_split import pipeline_split_pass
+from autopar.passes.units import stage_of_nodes
+
+
+class StageModule(torch.nn.Module):
+    """One stage's graph with its (local) parameters and buffers registered, for a PipelineStage.
+
+    ``prepare(fqn, tensor)`` gives what the graph computes with (the step's working copy)."""
+
+    def __init__(self, fn, fqns: list[str], tensors: dict[str, torch.Tensor], prepare):
+        super().__init__()
+        self.fn = fn
+        self.prepare = prepare
+        self.fqns = fqns
+        self.keys = [f.replace(".", "__") for f in fqns]
+        for k, f in zip(self.keys, fqns):
+            if isinstance(tensors[f], torch.nn.Parameter):
+                self.register_parameter(k, tensors[f])
+            else:
+                self.register_buffer(k, tensors[f], persistent=False)
+
+    def forward(self, *acts):
+        return self.fn(*[self.prepare(f, getattr(self, k)) for f, k in zip(self.fqns, self.keys)], *acts)
+
+
+def make_schedule(name: str, stages: list, microbatches: int, loss_fn):
+    """A torch.distributed.pipelining schedule by name."""
+    from torch.distributed.pipelining import schedules as S
+
+    cls = {"GPipe": S.ScheduleGPipe, "1F1B": S.Schedule1F1B, "Interleaved1F1B": S.ScheduleInterleaved1F1B,
+           "InterleavedZeroBubble": getattr(S, "ScheduleInterleavedZeroBubble", None)}[name]
+    if cls is None:
+        raise NotImplementedError(f"schedule {name!r} is not in this torch version")
+    if name in ("GPipe", "1F1B"):
+        return cls(stages[0], microbatches, loss_fn=loss_fn)
+    return cls(stages, microbatches, loss_fn=loss_fn)
+
+
+class Pipeline:
+    """This rank's stages, their schedule, and the cross-stage gradient sums."""
+
+    def __init__(self, gm, cap: Captured, plan, dmesh, *, rank: int, materialize, buffers: dict, device,
+                 prepare, loss_scale, wrap):
+        """``rank``: this rank's pp coordinate; ``materialize(fqns)`` makes its parameter shards;
+        ``buffers``: every buffer by FQN; ``prepare(fqn, tensor)``: what the graphs compute with (the
+        step's working copy); ``loss_scale()``: what the loss is multiplied by before backward;
+        ``wrap(graph)``: the graph as it runs (compiled or eager)."""
+        from torch.distributed.pipelining import PipelineStage
+
+        self.plan, self.device, self.loss_scale = plan, device, loss_scale
+        n = len(plan.stages)
+        pp = plan.mesh[1]
+        self.sg = pipeline_split_pass(gm, stage_of_nodes(cap, plan), n)
+        if len(self.sg.label_inputs) != 1:
+            raise NotImplementedError("pipeline parallelism needs exactly one label input (the targets); "
+                                      f"this model's loss uses {self.sg.label_inputs or 'none'}")
+        self.mine = [s for s in range(n) if s % pp == rank]
+        self.last = (n - 1) % pp == rank
+        holders: dict[str, set[int]] = {}
+        for s in range(n):
+            for f in self.sg.stage_params[s] + (self.sg.tail_params if s == n - 1 else []):
+                holders.setdefault(f, set()).add(s % pp)
+        self.shared = [p.fqn for p in plan.parameters if len(holders.get(p.fqn, ())) > 1]
+        self.owner = {f: min(r) for f, r in holders.items()}
+        needed = {f for f, r in holders.items() if rank in r}
+        params = materialize(needed)
+        tensors = {**params, **{f: b for f, b in buffers.items() if f in needed}}
+        self.pp_group = group_name(dmesh, "pp")
+        pg = dmesh.get_group("pp")
+        self.stages = [PipelineStage(StageModule(wrap(self.sg.stages[s]), self.sg.stage_params[s], tensors, prepare),
+                                     s, n, device, group=pg) for s in self.mine]
+        tail = wrap(self.sg.tail)
+        tail_w = {f: tensors[f] for f in self.sg.tail_params} if self.last else {}
+
+        def loss_fn(out, target):   # the loss backward starts from: scaled for fp16
+            weights = [prepare(f, t) for f, t in tail_w.items()]
+            return tail(*weights, *(out if isinstance(out, tuple) else (out,)), target) * loss_scale()
+
+        self.schedule = make_schedule(plan.schedule, self.stages, plan.microbatches, loss_fn)
+        self.params = params
+
+    def step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One schedule step over every microbatch; the loss, averaged, on every pp rank."""
+        losses: list = []
+        # only the first stage's rank feeds the batch (torch 2.11's schedules refuse it elsewhere)
+        first = [inputs[name] for name in self.sg.first_inputs] if 0 in self.mine else []
+        self.schedule.step(*first, target=inputs[self.sg.label_inputs[0]], losses=losses)
+        loss = torch.stack([l.detach() for l in losses]).mean() / self.loss_scale() if self.last else torch.zeros(())
+        for f in self.shared:   # a weight on several stages: its gradient is the sum over them
+            p = self.params.get(f)
+            g = p.grad if p is not None and p.grad is not None else torch.zeros(self.plan.param(f).local_shape)
+            total = C.all_reduce(g.to(self.device), self.pp_group)
+            if p is not None:
+                p.grad = total
+        return C.all_reduce(loss.to(self.device).float(), self.pp_group)
