@@ -123,12 +123,14 @@ def _global_pieces(view: torch.Tensor, offsets, shape, placement, parts: int, ra
 
 @dataclass(frozen=True)
 class _Layout:
-    """How one parameter is split on this rank: global shape, tp placement, tp size and index."""
+    """How one parameter is split on this rank: global shape, tp placement, tp size and index, and
+    under ZeRO-2/3 the rows [start, stop) of the tp shard this rank holds (``ParallelModel.dp_rows``)."""
 
     shape: tuple[int, ...]
     placement: Placement
     parts: int
     rank: int
+    rows: tuple[int, int] | None = None
 
     def pieces(self, view: torch.Tensor, offsets) -> list:
         return _global_pieces(view, offsets, self.shape, self.placement, self.parts, self.rank)
@@ -136,13 +138,18 @@ class _Layout:
 
 def _layouts(pm: ParallelModel) -> dict[str, _Layout]:
     """FQN -> _Layout for every parameter of the plan."""
-    return {q.fqn: _Layout(tuple(q.shape), parse_placement(q.placements["tp"]), pm.mesh.tp, pm.coords["tp"])
-            for q in pm.plan.parameters}
+    return {q.fqn: _Layout(tuple(q.shape), parse_placement(q.placements["tp"]), pm.mesh.tp, pm.coords["tp"],
+                           pm.dp_rows(q.fqn)) for q in pm.plan.parameters}
 
 
 def _shard_boxes(layout: _Layout, local: torch.Tensor) -> _Boxes:
-    """A whole parameter-shaped local tensor (a shard or its optimizer state) as global boxes."""
-    return _Boxes(torch.Size(layout.shape), dict(layout.pieces(local, (0,) * local.dim())))
+    """A whole parameter-shaped local tensor (a shard or its optimizer state) as global boxes; a
+    ZeRO-2/3 dp shard is its rows of the tp shard, its padding left out."""
+    offsets = (0,) * local.dim()
+    if layout.rows is not None:
+        start, stop = layout.rows
+        local, offsets = local.narrow(0, 0, stop - start), (start,) + offsets[1:]
+    return _Boxes(torch.Size(layout.shape), dict(layout.pieces(local, offsets)))
 
 
 def _slice_boxes(layout: _Layout, local_shape, flat: torch.Tensor, begin: int) -> _Boxes:

@@ -136,6 +136,48 @@ class _Split(torch.autograd.Function):
         return _ag(g, dim, group, size, full), None, None, None, None
 
 
+def _gather_weight(shard: torch.Tensor, group: str, size: int, full: int, dtype) -> torch.Tensor:
+    """A weight from its dp shards (dim 0), at ``dtype`` (None: the shard's own)."""
+    return _ag(shard if dtype is None or shard.dtype == dtype else shard.to(dtype), 0, group, size, full)
+
+
+def _scatter_grad(g: torch.Tensor, group: str, size: int, dtype) -> torch.Tensor:
+    """A weight's gradient reduce-scattered to this rank's rows at the shard's ``dtype``, averaged over dp."""
+    return _rs(g if g.dtype == dtype else g.to(dtype), 0, group, size) / size
+
+
+class _GatherParam(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, group, size, rank, full, dtype):
+        ctx.args = (group, size, shard.dtype)
+        return _gather_weight(shard, group, size, full, dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        group, size, dtype = ctx.args
+        return _scatter_grad(g, group, size, dtype), None, None, None, None, None
+
+
+class _ShardedLinear(torch.autograd.Function):
+    """x @ w.T with w gathered from its dp shards in forward and again in backward: only the
+    shard is kept for backward (ZeRO-3's reshard after forward)."""
+
+    @staticmethod
+    def forward(ctx, x, shard, group, size, full, dtype):
+        ctx.args = (group, size, full, dtype, shard.dtype)
+        ctx.save_for_backward(x, shard)
+        return F.linear(x, _gather_weight(shard, group, size, full, dtype))
+
+    @staticmethod
+    def backward(ctx, g):
+        group, size, full, dtype, stored = ctx.args
+        x, shard = ctx.saved_tensors
+        w = _gather_weight(shard, group, size, full, dtype)
+        gx = g @ w
+        gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return gx, _scatter_grad(gw, group, size, stored), None, None, None, None
+
+
 def _interleaved(fn, x: torch.Tensor, dim: int, interleave: int, *args):
     """Apply a per-dim collective to each of ``interleave`` equal blocks of ``dim``."""
     if interleave == 1:
@@ -174,7 +216,23 @@ def split(x: torch.Tensor, dim: int, group: str, size: int, rank: int, interleav
     return _interleaved(lambda t, d: _Split.apply(t, d, group, size, rank), x, dim, interleave)
 
 
-COLLECTIVE_FUNCTIONS = (copy_to, all_reduce, all_gather, reduce_scatter, split)
+def gather_param(shard: torch.Tensor, group: str, size: int, rank: int, full: int,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A parameter from its dp shards (dim 0, ``full`` rows in all), at ``dtype`` (the compute dtype;
+    None: the shard's own): FSDP's unshard. Backward reduce-scatters the gradient at the shard's
+    dtype (fp32 for fp32 master weights) and averages it over the group: the shard's dp-mean gradient."""
+    return _GatherParam.apply(shard, group, size, rank, full, dtype)
+
+
+def sharded_linear(x: torch.Tensor, shard: torch.Tensor, group: str, size: int, full: int,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``F.linear(x, w)`` for a weight ``w`` held as dp shards: gathered for the forward, gathered
+    again for the backward instead of kept (FSDP's reshard after forward), its gradient
+    reduce-scattered and averaged as ``gather_param``'s."""
+    return _ShardedLinear.apply(x, shard, group, size, full, dtype)
+
+
+COLLECTIVE_FUNCTIONS = (copy_to, all_reduce, all_gather, reduce_scatter, split, gather_param, sharded_linear)
 
 
 

@@ -106,6 +106,7 @@ class Plan:
     stages: tuple[StagePlan, ...] = ()
     recompute: str = "none"
     recompute_regions: tuple[tuple[str, ...], ...] = ()   # global node names recomputed together
+    keep_gathered: tuple[str, ...] = ()   # zero=3: units whose weights stay gathered from forward to backward
     memory: tuple[MemoryPlan, ...] = ()
     precision: str = "fp32"         # compute dtype: "fp32", "bf16" or "fp16"; weights, grads, reductions stay fp32
     source: str = "auto"            # "auto", "megatron", or "edited from ..." once its choices were changed by hand
@@ -199,7 +200,7 @@ class Plan:
         strategies, collectives (count and bytes per place), stages, memory, predicted time.
         Returns "no differences" when the two plans decide the same things."""
         out: list[str] = []
-        for f in ("mesh", "input_shapes", "sequence_parallel", "zero", "microbatches", "schedule",
+        for f in ("mesh", "input_shapes", "sequence_parallel", "zero", "keep_gathered", "microbatches", "schedule",
                   "virtual_stages", "recompute", "precision", "device"):
             a, b = getattr(self, f), getattr(other, f)
             if a != b:
@@ -240,7 +241,7 @@ class Plan:
         lines = [f"autopar plan ({self.source}) for mesh dp={dp} pp={pp} tp={tp} on {self.device}",
                  f"  microbatch input shapes {list(map(list, self.input_shapes))}, microbatches "
                  f"{self.microbatches}, sequence parallel {'on' if self.sequence_parallel else 'off'}, "
-                 f"ZeRO-{self.zero}, precision {PRECISION_NOTES[self.precision]}",
+                 f"ZeRO-{self.zero}{_kept_gathered(self.keep_gathered)}, precision {PRECISION_NOTES[self.precision]}",
                  "  placements: R replicated, P partial sum, S(d) sharded on dim d, "
                  "S(d)ik interleaved: dim d is k blocks (fused q,k,v) and each rank holds its slice of each",
                  "", "Parameters (placement per axis, local shape):"]
@@ -296,6 +297,10 @@ def _axis_order(*placements: dict) -> list[str]:
 def edited_source(source: str) -> str:
     """The ``source`` of a plan whose choices were changed by hand from a plan of ``source``."""
     return source if source.startswith("edited from ") else f"edited from {source}"
+
+
+def _kept_gathered(units: tuple[str, ...]) -> str:
+    return f" (kept gathered from forward to backward: {', '.join(units)})" if units else ""
 
 
 def axis_warnings(plan: Plan) -> list[str]:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch.fx import Node
 
+from autopar.passes.units import layer_units
 from autopar.placement import local_shape
 
 from .compute import node_flops
@@ -359,15 +360,39 @@ def backward_excess(nodes, kept: dict, strategies: dict, size: int, grads: dict,
 def param_state(cap, strategies, fqns, tp: int, dp: int, zero: int, working_copy: float):
     """(parameter bytes with a 16-bit step's working copy, gradient bytes, optimizer bytes) one
     rank holds of the parameters ``fqns``: their local shards under ``strategies``, Adam's two
-    fp32 moments sharded over dp under ZeRO-1; ``working_copy`` as
-    ``autopar.passes.precision.working_copy_ratio``."""
-    params = 0.0
+    fp32 moments sharded over dp from ZeRO-1 on; ``working_copy`` as
+    ``autopar.passes.precision.working_copy_ratio``.
+
+    ZeRO-2 and 3 hold 1/dp of the weights and gradients too, and the gathered weights at the
+    compute dtype on top: ZeRO-2 every unit's, from its forward to its backward; ZeRO-3 two units'
+    at a time (the one computing and the next, being gathered), the largest two."""
+    local = {}
     for fqn in fqns:
         node = cap.params[fqn]
         v = node.meta["val"]
-        params += float(np.prod(local_shape(tuple(v.shape), strategies[node].output, tp))) * v.element_size()
+        local[fqn] = float(np.prod(local_shape(tuple(v.shape), strategies[node].output, tp))) * v.element_size()
+    params = sum(local.values())
+    if zero >= 2 and dp > 1:
+        gathered = params if zero == 2 else sum(sorted(unit_param_bytes(cap, local).values())[-2:])
+        return params / dp + gathered * (working_copy or 1.0), params / dp, 2 * params / dp
     optimizer = 2 * params / (dp if zero else 1)   # Adam's two moments, fp32 like the weights here
     return params * (1 + working_copy), params, optimizer
+
+
+def unit_param_bytes(cap, local: dict[str, float]) -> dict[str, float]:
+    """Bytes of ``local`` (FQN -> bytes) per layer unit that uses them (a weight two units use, such
+    as a tied embedding, counts in both: ZeRO-3 gathers it for each)."""
+    try:
+        units = layer_units(cap)
+    except ValueError:   # no repeated blocks: the model is one unit
+        return {"model": sum(local.values())}
+    out = {}
+    for u in units:
+        members = set(u.nodes)
+        used = [f for f in local if any(user in members for user in cap.params[f].users)]
+        if used:
+            out[u.name] = sum(local[f] for f in used)
+    return out
 
 
 def stage_terms(cap, strategies, mesh, nodes, regions, *, zero: int, microbatches: int, working_copy: float):

@@ -19,12 +19,10 @@ from autopar.placement import Shard, local_shape
 
 from .comm import axis_is_inter_node, collective_time
 from .memory import compiled_kept
-from .strategy import strategy_time, tensor_bytes, tp_collectives
+from .strategy import OP_OVERHEAD, strategy_time, tensor_bytes, tp_collectives
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
 INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble")
-# Host-side cost of one op launch forward plus backward: what makes very small microbatches slow.
-OP_OVERHEAD = 15e-6
 
 
 def posint(x, name):
@@ -73,8 +71,12 @@ def pipeline_time(stage_times, p: int, m: int, v: int, *, add=math.fsum, maximum
 
 
 def state_bytes_per_param_byte(mesh, zero: int, working_copy: float = 0.0) -> float:
-    """Parameter + gradient + Adam's two moments (the moments sharded over dp with ZeRO-1), plus
-    a 16-bit working copy's share (``autopar.passes.precision.working_copy_ratio``)."""
+    """Parameter + gradient + Adam's two moments (the moments sharded over dp from ZeRO-1 on, the
+    weights and gradients too from ZeRO-2 on), plus a 16-bit working copy's share
+    (``autopar.passes.precision.working_copy_ratio``); ZeRO-2 and 3's gathered weights are the
+    stage's, not a unit's (``memory.param_state``)."""
+    if zero >= 2 and mesh.dp > 1:
+        return 4.0 / mesh.dp
     return 2.0 + working_copy + (2.0 / mesh.dp if zero else 2.0)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from .comm import axis_is_inter_node, collective_time
 from .compute import update_time
-from .strategy import strategy_time
+from .strategy import OP_OVERHEAD, strategy_time
 
 
 def step_time(compute, comm, update):
@@ -26,19 +26,35 @@ def step_time(compute, comm, update):
     return total + update
 
 
-def dp_sync_kinds(zero: int) -> list[str]:
-    """The collectives of the dp gradient sync: an all-reduce, or with ZeRO-1 a reduce-scatter of
-    the gradients and an all-gather of the updated parameters."""
-    return ["reduce_scatter", "all_gather"] if zero else ["all_reduce"]
+def dp_sync_kinds(zero: int) -> list[tuple[str, str]]:
+    """(phase, kind) of the dp collectives over the weights: an all-reduce of the gradients; with
+    ZeRO-1 a reduce-scatter of them and an all-gather of the updated weights, once per step; with
+    ZeRO-2 an all-gather of each unit's weights in the forward and a reduce-scatter of its
+    gradients in the backward, per microbatch; ZeRO-3 gathers again in the backward."""
+    if zero >= 3:
+        return [("fwd", "all_gather"), ("bwd", "all_gather"), ("bwd", "reduce_scatter")]
+    if zero == 2:
+        return [("fwd", "all_gather"), ("bwd", "reduce_scatter")]
+    return [("step", "reduce_scatter"), ("step", "all_gather")] if zero else [("step", "all_reduce")]
 
 
-def dp_sync_time(param_bytes: float, mesh, dev, zero: int, gpus_per_node: int) -> float:
-    """Seconds to average one rank's gradients over dp (and with ZeRO-1 re-gather its parameters),
-    one bucketed collective per kind over its ``param_bytes``."""
+def dp_sync_bytes(kind: str, phase: str, param_bytes: float, zero: int, gathered: float) -> float:
+    """Bytes one dp collective of ``dp_sync_kinds`` moves for ``param_bytes`` of fp32 weights:
+    ZeRO-2/3 gather at the compute dtype (``gathered`` bytes per stored byte) and reduce in fp32."""
+    return param_bytes * gathered if zero >= 2 and kind == "all_gather" else param_bytes
+
+
+def dp_sync_time(param_bytes: float, mesh, dev, zero: int, gpus_per_node: int, *, microbatches: int = 1,
+                 gathered: float = 1.0) -> float:
+    """Seconds of the dp collectives over one rank's ``param_bytes`` of weights (``dp_sync_kinds``),
+    one bucketed collective per kind, per step (ZeRO-0/1) or per microbatch (ZeRO-2/3). None of it
+    is counted as overlapped with compute."""
     if mesh.dp == 1:
         return 0.0
     inter = axis_is_inter_node(mesh.dp, mesh.pp * mesh.tp, gpus_per_node)
-    return sum(collective_time(k, param_bytes, mesh.dp, dev, inter) for k in dp_sync_kinds(zero))
+    times = microbatches if zero >= 2 else 1
+    return times * sum(collective_time(k, dp_sync_bytes(k, ph, param_bytes, zero, gathered), mesh.dp, dev, inter)
+                       for ph, k in dp_sync_kinds(zero))
 
 
 def param_byte_time(mesh, dev, *, zero: int, working_copy: bool, gpus_per_node: int = 8) -> float:
@@ -71,8 +87,11 @@ def plan_update_time(memory, mesh, zero: int, precision: str, dev) -> float:
 
 def flat_compute_time(strategies: dict, tp: int, dev, tp_inter: bool, microbatches: int) -> float:
     """The compute term without pipeline stages: every op's forward and backward under its
-    strategy, the collectives inside ops left to ``tp_comm_time``, for each microbatch."""
-    return microbatches * sum(strategy_time(n, s, tp, dev, tp_inter, False) for n, s in strategies.items())
+    strategy and its launch overhead (``OP_OVERHEAD``, as the pipeline's units charge it), the
+    collectives inside ops left to ``tp_comm_time``, for each microbatch."""
+    ops = sum(1 for n in strategies if n.op == "call_function")
+    return microbatches * (sum(strategy_time(n, s, tp, dev, tp_inter, False) for n, s in strategies.items())
+                           + OP_OVERHEAD * ops)
 
 
 def tp_comm_time(collectives, tp: int, dev, tp_inter: bool) -> float:

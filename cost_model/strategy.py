@@ -28,6 +28,11 @@ from .memory import VIEW_OPS
 LAUNCH_OVERHEAD = 2e-6
 
 
+# Host-side cost of one op launch forward plus backward: what makes very small microbatches slow.
+# Charged per op per microbatch wherever a step's compute is summed, with or without pipeline stages.
+OP_OVERHEAD = 15e-6
+
+
 def tensor_bytes(node: Node) -> float:
     """Bytes of the tensor(s) a node produces, at the dtype its metadata has."""
     val = node.meta.get("val")
@@ -39,7 +44,14 @@ def op_traffic(node: Node) -> float:
     """Bytes a call_function node's forward and backward move, unsharded, as the cost model counts them."""
     # Inductor fuses chains of pointwise ops, so one costs about a write of its output
     # forward and one backward; other ops read and write their tensors, backward ~2x.
-    return 2 * tensor_bytes(node) if node.target in POINTWISE else 3 * node_bytes(node)
+    # Kept on the node with the metadata it was read from (a retyped copy of the graph carries
+    # the meta over with new values): every strategy of every candidate mesh asks again.
+    val = node.meta.get("val")
+    cached = node.meta.get("autopar_traffic")
+    if cached is None or cached[0] is not val:
+        cached = node.meta["autopar_traffic"] = (val, 2 * tensor_bytes(node) if node.target in POINTWISE
+                                                 else 3 * node_bytes(node))
+    return cached[1]
 
 
 def strategy_work(node: Node, s) -> tuple[float, float, torch.dtype]:

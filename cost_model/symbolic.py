@@ -58,9 +58,9 @@ from .comm import axis_is_inter_node, collective_time
 from .compute import attention_kind, compute_time
 from .devices import DeviceSpec, get_device
 from .memory import VIEW_OPS, stage_terms
-from .stages import OP_OVERHEAD, inflight_microbatches, pipeline_time, rank_param_bytes, unit_costs
+from .stages import inflight_microbatches, pipeline_time, rank_param_bytes, unit_costs
 from .step import dp_sync_time, plan_update_time, step_time
-from .strategy import comm_bytes, strategy_work, tp_collectives
+from .strategy import OP_OVERHEAD, comm_bytes, strategy_work, tp_collectives
 
 # Degrees of every record in (b, S); the fit is checked, so a model outside them is reported.
 _DEG_B, _DEG_S = 1, 2
@@ -386,7 +386,7 @@ def _step_time(rec: dict, st: dict, plan, mesh, dev: DeviceSpec, gpus_per_node: 
 
     tp_time = [collective_time(kind, rec[("tp", i)], tp, dev, tp_inter) for i, (kind, _) in enumerate(st["tp"])]
     if not plan.stages:
-        compute = m * _sum(op_time(n, False) for n in st["calls"])
+        compute = m * (_sum(op_time(n, False) for n in st["calls"]) + OP_OVERHEAD * len(st["calls"]))
         return compute, m * _sum(tp_time) + st["dp_sync"]
 
     unit_of = {n: k for k, names in enumerate(st["units"]) for n in names}

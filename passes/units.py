@@ -126,3 +126,11 @@ def stage_of_nodes(cap: Captured, plan) -> dict[str, int]:
     units = layer_units(cap)
     bounds = override_bounds([s.modules for s in plan.stages], units, len(plan.stages))
     return {n.name: s for s, (a, b) in enumerate(bounds) for u in units[a:b] for n in u.nodes}
+
+
+def unit_names(cap: Captured) -> list[str]:
+    """The layer units' names ("model" for a model without repeated blocks: one unit)."""
+    try:
+        return [u.name for u in layer_units(cap)]
+    except PlanError:
+        return ["model"]

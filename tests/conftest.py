@@ -8,6 +8,10 @@ def pytest_terminal_summary(terminalreporter):
 
     rows = pool.timings()
     if rows:
-        terminalreporter.write_line("pooled jobs, seconds on rank 0 (slowest 12):")
+        totals = {}
+        for seconds, world, _ in rows:
+            totals[world] = totals.get(world, 0.0) + seconds
+        terminalreporter.write_line("pooled jobs, seconds on rank 0, per world: "
+                                    + ", ".join(f"{w}: {s:.0f}" for w, s in sorted(totals.items())))
         for seconds, world, name in rows[:12]:
             terminalreporter.write_line(f"  {seconds:7.1f}  world {world}  {name}")

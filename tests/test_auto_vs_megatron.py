@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import autopar
+from autopar.cost_model.strategy import OP_OVERHEAD
 from autopar.examples.gpt import build
 from autopar.planner.ilp import brute_force, evaluate, solve_strategies
 from autopar.cost_model.strategy import LAUNCH_OVERHEAD
@@ -135,12 +136,14 @@ def test_auto_is_never_priced_above_megatron(models, name, mesh, sequence_parall
 
 
 def test_qwen2_on_8_h100s(models):
-    """The reported case: auto was predicted 255.8 ms, Megatron 248.5 ms; now no slower."""
+    """The reported case: auto was predicted 255.8 ms, Megatron 248.5 ms; now no slower. (Those
+    figures were priced without the ops' launch overhead, which pp = 1 plans now pay as pipeline
+    stages do: the same for every strategy, so it is taken off before comparing with them.)"""
     model, x = models["qwen2"]
     auto = autopar.plan(model, (1, 1, 8), x, device="h100")
     megatron = autopar.plan(model, (1, 1, 8), x, device="h100", plan="megatron")
     assert auto.predicted_step_time <= megatron.predicted_step_time * (1 + 1e-9)
-    assert auto.predicted_step_time < 0.250
+    assert auto.predicted_step_time - OP_OVERHEAD * len(auto.nodes) < 0.250
 
 
 @pytest.mark.parametrize("name,mesh", [("qwen2", (1, 1, 8)), ("llama", (1, 1, 4)), ("gpt3-1.3b", (1, 1, 2))])

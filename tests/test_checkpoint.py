@@ -24,7 +24,7 @@ from parity import BATCH, SEQ, TINY, make_model, train_curve
 LR = 1e-3
 ZERO_TP = ((2, 1, 2), dict(plan="megatron", sequence_parallel=True, zero=1))
 PIPELINE = ((1, 2, 2), dict(plan="megatron", sequence_parallel=False))
-ZERO_DP = ((4, 1, 1), dict(plan="auto", zero=1))
+ZERO_DP = ((4, 1, 1), dict(plan="auto", zero=3))   # ZeRO-1 is ZERO_TP's; here the weights are dp shards
 SINGLE = ((1, 1, 1), dict(plan="auto"))
 STEPS = (3, 3, 2, 2)   # on ZERO_TP, PIPELINE, ZERO_DP, SINGLE in turn
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
+from autopar.cost_model.strategy import OP_OVERHEAD
 from autopar.cost_model import get_device
 import pool
 
@@ -197,7 +198,10 @@ def test_interleaved_rope_plans_like_rotate_half(form, tp):
               and c.where in {f"layers.{i}.attention" for i in range(PLAN_CFG.n_layers)}]
     assert inside == [], inside   # the attention's own ops (RoPE, sdpa, views) move nothing
     half, _ = _offline("half", tp)
-    assert plan.predicted_step_time == pytest.approx(half.predicted_step_time, rel=0.01)
+    # the forms differ in how many ops they take, and each op's launch is priced: compare the rest
+    def work(p):
+        return p.predicted_step_time - OP_OVERHEAD * len(p.nodes)
+    assert work(plan) == pytest.approx(work(half), rel=0.01)
 
 
 # ---- the no-rule warning: one per op kind, from rank 0, with its cost ----------------------------

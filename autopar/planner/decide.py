@@ -15,13 +15,14 @@ import numpy as np
 import torch
 
 from autopar.cost_model import get_device
-from autopar.cost_model.stages import OP_OVERHEAD, SCHEDULES, rank_param_bytes, unit_costs
+from autopar.cost_model.stages import SCHEDULES, rank_param_bytes, unit_costs
+from autopar.cost_model.strategy import OP_OVERHEAD
 from autopar.cost_model.step import dp_sync_time, param_byte_time, plan_update_time, rank_update_time, step_time
 from autopar.errors import PlanError, PlanFormatError
 from autopar.mesh import Mesh
 from autopar.passes.capture import Captured, capture_pass
 from autopar.passes.precision import compute_dtype, retyped, working_copy_ratio
-from autopar.passes.units import layer_units, stage_of_nodes
+from autopar.passes.units import layer_units, stage_of_nodes, unit_names
 from autopar.placement import Shard
 from autopar.planner.megatron import megatron_options
 from autopar.planner.mesh_search import rank_meshes, ranking_table
@@ -51,9 +52,9 @@ def check_knobs(mesh: Mesh, recompute, schedule, zero, sequence_parallel):
         raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
     if recompute not in ("none", "selective", "full", "auto"):
         raise ValueError(f"recompute={recompute!r}: expected 'none', 'selective', 'full' or 'auto'")
-    if zero not in (0, 1):
-        raise ValueError(f"zero={zero!r}: autopar supports zero=0 (replicated optimizer state) "
-                         "and zero=1 (optimizer state sharded over dp)")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero={zero!r}: expected 0 (nothing sharded over dp), 1 (optimizer state), "
+                         "2 (and gradients) or 3 (and weights, gathered per unit)")
     if sequence_parallel not in (True, False, "auto"):
         raise ValueError(f"sequence_parallel={sequence_parallel!r}: expected True, False or 'auto'")
 
@@ -182,7 +183,8 @@ def _best_microbatches(planned: Decision, mesh: Mesh, options: list[int], knobs:
             continue
         # the cut decides which parameters the busiest rank syncs and updates
         params = rank_param_bytes(static, cut.bounds, mesh, zero, working_copy)
-        seconds = step_time(cut.step_time, [dp_sync_time(params, mesh, dev, zero, gpus_per_node)],
+        seconds = step_time(cut.step_time, [dp_sync_time(params, mesh, dev, zero, gpus_per_node, microbatches=m,
+                                                         gathered=working_copy or 1.0)],
                             rank_update_time(params, mesh, dev, zero, working_copy > 0))
         if seconds < best_time:
             best, best_time = m, seconds
@@ -235,10 +237,22 @@ class Decision:
         fields = dict(self.fields)
         if self.given is not None:
             fields.update(notes=self.given.notes, model=self.given.model)
-        fields["notes"] = fields.get("notes", ()) + tuple(notes)
+        fields["notes"] = tuple(dict.fromkeys(fields.get("notes", ()) + tuple(notes)))
         fields["warnings"] = _warnings(_view(fields), self.cap, self.strategies, Mesh(*fields["mesh"]),
                                        self.dev, self.budget, self.gpus_per_node)
         return Plan(**fields)
+
+
+def _check_units(cap, names: tuple[str, ...], zero: int) -> None:
+    """A plan's ``keep_gathered``: units of this model, and only under zero=3."""
+    if zero != 3:
+        raise PlanFormatError(f"plan.keep_gathered lists {', '.join(names)}, but only zero=3 reshards units "
+                              f"(this plan has zero={zero}); empty it or set zero to 3")
+    known = unit_names(cap)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise PlanFormatError(f"plan.keep_gathered: the model has no unit {', '.join(unknown)}; its units are "
+                              f"{', '.join(known)}")
 
 
 def _view(fields: dict) -> SimpleNamespace:
@@ -284,6 +298,10 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
                                                               gpus_per_node=gpus_per_node))
     else:
         raise ValueError(f"plan={plan!r}: expected 'auto', 'megatron', a Plan or a plan JSON path")
+    notes = ()
+    if zero >= 2 and mesh.dp == 1:
+        notes = (f"zero={zero} asks to shard over dp, but dp=1: nothing to shard; planned as zero=0",)
+        zero = 0
     budget = parse_bytes(memory_budget)
     sp = any(isinstance(s.output, Shard) and n.target is torch.ops.aten.layer_norm.default
              for n, s in assignment.strategies.items())
@@ -306,6 +324,10 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
     fields = fields_of(assignment, recompute)
     if given is not None:   # a plan read back unchanged (parallelize broadcasts JSON) keeps its source
         fields["source"] = given.source if given.derives_as(_view(fields)) else edited_source(given.source)
+    keep = tuple(given.keep_gathered) if given is not None else ()
+    if keep:
+        _check_units(cap, keep, zero)
+    fields.update(notes=notes, keep_gathered=keep)
     fields.update(precision=precision, peak_flops=dev.flops(compute_dtype(precision)),
                   predicted_update_s=plan_update_time(fields["memory"], fields["mesh"], zero, precision, dev))
     return Decision(cap, assignment.strategies, fields, dev, budget, gpus_per_node, given)
@@ -427,7 +449,8 @@ def _stage_fields(cap, strategies, mesh, dev, *, schedule, virtual, microbatches
                         for s, (a, b) in enumerate(cut.bounds))
     rank_params = rank_param_bytes(costs[1], cut.bounds, mesh, zero, working_copy)
     return dict(stages=stage_plans, predicted_compute_s=float(cut.step_time),
-                predicted_comm_s=dp_sync_time(rank_params, mesh, dev, zero, gpus_per_node))
+                predicted_comm_s=dp_sync_time(rank_params, mesh, dev, zero, gpus_per_node, microbatches=microbatches,
+                                              gathered=working_copy or 1.0))
 
 
 def rebuild(model, plan: Plan, example_inputs, *, sequence_parallel="auto") -> tuple[Captured, dict]:

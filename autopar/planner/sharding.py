@@ -27,12 +27,13 @@ import torch
 from torch.fx import Node
 
 from autopar.cost_model import axis_is_inter_node, node_flops
-from autopar.cost_model.step import dp_sync_kinds, dp_sync_time, flat_compute_time, tp_comm_time
-from autopar.cost_model.strategy import move_time, param_memory, strategy_time, tp_collectives
+from autopar.cost_model.step import dp_sync_bytes, dp_sync_kinds, dp_sync_time, flat_compute_time, tp_comm_time
+from autopar.cost_model.strategy import OP_OVERHEAD, move_time, param_memory, strategy_time, tp_collectives
 from autopar.errors import PlanError
 from autopar.passes.units import find_blocks
 from autopar.planner.ilp import solve_strategies
 from autopar.passes.capture import Captured, graph_cached
+from autopar.passes.precision import working_copy_ratio
 from autopar.passes.reshard import regather_candidate
 from autopar.passes.rules import RuleContext, Strategy, dim_labels, is_float, shape, strategies_for
 from autopar.placement import R, Placement, Shard, local_shape
@@ -128,7 +129,7 @@ def solve(cap: Captured, options: dict[Node, list[Strategy]], tp: int, dev, *,
     # a plan's sequence-parallel rule over layers whose dims are labelled apart, can differ).
     first: dict[tuple, list[Node]] = {}
     for block in find_blocks(cap) or []:
-        twin = first.setdefault(tuple(tuple(map(str, options.get(n, ()))) for n in block), block)
+        twin = first.setdefault(tuple(tuple(options.get(n, ())) for n in block), block)
         rep.update(zip(block, twin))
     nodes = [n for n in options if rep[n] is n]
     ids = {n: k for k, n in enumerate(nodes)}
@@ -147,7 +148,10 @@ def solve(cap: Captured, options: dict[Node, list[Strategy]], tp: int, dev, *,
     masked = dict.fromkeys((rep[p], rep[c], slot) for p in shared_at for c, slot in fan_out[p])
     groups = Counter((rep[p], tuple((rep[c], slot) for c, slot in fan_out[p])) for p in shared_at)
 
+    # an op's launch overhead is the same under every strategy: in the objective, so that it is the
+    # step time the plan is priced at, not in the choice
     node_costs = [mult[n] * np.array([strategy_time(n, s, tp, dev, inter_node)
+                                      + (OP_OVERHEAD if n.op == "call_function" else 0.0)
                                       + param_byte_seconds * param_memory(n, s, tp, 1.0) for s in options[n]])
                   for n in nodes]
     memory = None
@@ -237,9 +241,12 @@ def sharding_fields(cap: Captured, assignment: Assignment, mesh, dev, *, sequenc
         a[0] += m
         a[1] += nbytes * m
     comm = tp_comm_time([(k, n, b) for (k, _, _, _), (n, b) in agg.items()], tp, dev, tp_inter)
-    for kind in dp_sync_kinds(zero) if dp > 1 else []:
-        agg[(kind, "dp", "step", "(all parameters)")] = [1, local_bytes]
-    comm += dp_sync_time(local_bytes, mesh, dev, zero, gpus_per_node)
+    gathered = working_copy_ratio(cap) or 1.0   # ZeRO-2/3 gather the weights at the compute dtype
+    times = m if zero >= 2 else 1
+    for phase, kind in dp_sync_kinds(zero) if dp > 1 else []:
+        agg[(kind, "dp", phase, "(all parameters)")] = [times, times * dp_sync_bytes(kind, phase, local_bytes, zero,
+                                                                                       gathered)]
+    comm += dp_sync_time(local_bytes, mesh, dev, zero, gpus_per_node, microbatches=m, gathered=gathered)
     compute = flat_compute_time(strategies, tp, dev, tp_inter, m)
     colls = tuple(CollectivePlan(k, axis, ph, w, n, int(b)) for (k, axis, ph, w), (n, b) in agg.items())
     input_shapes = tuple(shape(i) for i in cap.inputs)

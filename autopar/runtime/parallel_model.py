@@ -18,7 +18,8 @@ from autopar.passes.shard import shard_pass
 from autopar.passes.rules import is_float
 from autopar.passes.fuse_loss import cross_entropy_kernel_pass
 from autopar.passes.precision import compute_dtype
-from autopar.passes.units import stage_of_nodes
+from autopar.passes.units import layer_units, stage_of_nodes
+from autopar.passes.zero import gather_name, shard_rows, unit_params, zero_pass
 from autopar.placement import Shard, local_shape, parse_placement, shard_tensor
 from autopar.kernels.fused_linear_ce import triton_available
 from autopar.runtime.master_weights import MasterAdamW, WorkingWeights
@@ -73,6 +74,17 @@ class ParallelModel:
                                            group=self._tp_group)))
         if loss_kernel is True or (loss_kernel == "auto" and _inductor_on_cuda(compile)):
             steps.append((cross_entropy_kernel_pass, {}))
+        # ZeRO-2/3: every parameter enters as its dp shard and is gathered per unit inside the graph
+        self._fsdp = plan.zero >= 2 and mesh.dp > 1
+        units = gathers = None
+        if self._fsdp:
+            labels, units = _units(cap)
+            gathers = unit_params(cap.gm, units, set(cap.params))
+            resharded = {k for k, label in enumerate(labels) if plan.zero == 3 and label not in plan.keep_gathered}
+            steps.append((zero_pass, dict(units=units, rows={p.fqn: p.local_shape[0] for p in plan.parameters},
+                                          group=self._dp_group, size=mesh.dp, rank=self.coords["dp"],
+                                          dtype=compute_dtype(plan.precision) if plan.precision != "fp32" else None,
+                                          reshard=resharded)))
         # One microbatch on one stage: the 16-bit weight copies are cast inside the compiled graph,
         # where Inductor fuses them into its own kernels, instead of ~2 eager kernels per weight per
         # step. With several microbatches the copies are made once per step and shared (``WorkingCopies``).
@@ -80,10 +92,11 @@ class ParallelModel:
         if plan.precision != "fp32":
             # inputs and buffers are cast in the graph, where it can leave those computing tables alone;
             # weights too with one microbatch on one stage (else ``WorkingCopies`` shares one copy)
+            # (ZeRO-2/3 gathers the weights at the compute dtype: none is cast here)
             floats = {n.name for n in cap.gm.graph.nodes if n.op == "placeholder" and is_float(n)
-                      and (in_graph or n.meta.get("kind") != "param")}
-            stage_of = stage_of_nodes(cap, plan) if mesh.pp > 1 else None
-            steps.append((precision_pass, dict(precision=plan.precision, floats=floats, stage_of=stage_of)))
+                      and ((in_graph and not self._fsdp) or n.meta.get("kind") != "param")}
+            steps.append((precision_pass, dict(precision=plan.precision, floats=floats,
+                                               stage_of=self._stage_of(cap, plan, units, gathers))))
         if plan.recompute_regions:
             steps.append((recompute_pass, dict(regions=[set(r) for r in plan.recompute_regions])))
         # (pass name, seconds) per pass; AUTOPAR_DUMP=DIR writes each graph before and after it
@@ -94,19 +107,23 @@ class ParallelModel:
         self._device = _comm_device()
 
         def materialize(fqns):
-            return _materialize(model, cap, self._placement, mesh.tp, self.coords["tp"], fqns)
+            local = _materialize(model, cap, self._placement, mesh.tp, self.coords["tp"], fqns)
+            if not self._fsdp:
+                return local
+            return {f: _dp_shard(q, mesh.dp, self.coords["dp"]) for f, q in local.items()}
 
         self._buffers = {fqn: b for fqn, b in model.named_buffers() if fqn in cap.buffers}
         self._buffers.update(cap.constant_tensors(self._device))   # torch.export's lifted constants
         # the buffers the module's own state_dict holds: checkpoints and exports carry exactly these
         self._persistent_buffers = [fqn for fqn in model.state_dict(keep_vars=True) if fqn in self._buffers]
-        self._casts = WorkingCopies("fp32" if in_graph else plan.precision, names=cap.params)
+        self._casts = WorkingCopies("fp32" if in_graph or self._fsdp else plan.precision, names=cap.params)
         self._master = None   # WorkingWeights, once optimizer(MasterAdamW) is asked for
         self.loss_scaler = LossScaler() if plan.precision == "fp16" else None
         self.step_skipped = False
         self._pipeline = None
         if mesh.pp > 1:
-            self._pipeline = Pipeline(gm, cap, plan, dmesh, rank=self.coords["pp"], materialize=materialize,
+            self._pipeline = Pipeline(gm, self._stage_of(cap, plan, units, gathers), plan, dmesh,
+                                      rank=self.coords["pp"], materialize=materialize,
                                       buffers=self._buffers, device=self._device, prepare=self._casts,
                                       loss_scale=lambda: self.loss_scale, wrap=lambda g: lower(g, compile))
             self._params = self._pipeline.params
@@ -121,7 +138,7 @@ class ParallelModel:
         self._input_names = [n.name for n in cap.inputs]
         self._global_batch = plan.input_shapes[0][0] * mesh.dp * plan.microbatches if plan.input_shapes else None
         self._zero = (Zero1(self._params, {f for f in self._params if self._sharded(f)}, group=self._dp_group,
-                            size=mesh.dp, rank=self.coords["dp"], norm=self._norm) if plan.zero else None)
+                            size=mesh.dp, rank=self.coords["dp"], norm=self._norm) if plan.zero == 1 else None)
         self._replaced = _adopt_shards(model, self._params, cap.params, self._device)
         self._ids = {id(p) for p in self._params.values()}
         # optimizers found able to step, with what they were checked against: the hook runs before
@@ -130,6 +147,17 @@ class ParallelModel:
         _guard_optimizer_steps(self)
         if mesh.pp > 1 or any(self._sharded(fqn) for fqn in self._params):
             model.register_forward_pre_hook(_refuse_unsharded_call)
+
+    @staticmethod
+    def _stage_of(cap, plan, units, gathers) -> dict[str, int] | None:
+        """Global node name -> pipeline stage (None without stages), ZeRO's gathers with their units."""
+        if plan.mesh[1] == 1:
+            return None
+        where = stage_of_nodes(cap, plan)
+        for k, fqns in (gathers or {}).items():
+            first = units[k][0] if k < len(units) else None
+            where.update({gather_name(k, f): where.get(first, len(plan.stages) - 1) for f in fqns})
+        return where
 
     # ---- parameters ----------------------------------------------------------------------
 
@@ -183,7 +211,7 @@ class ParallelModel:
             (f"precision={self.plan.precision!r} (it needs 'bf16')", self.plan.precision != "bf16"),
             (f"pp={self.mesh.pp}", self.mesh.pp > 1),
             (f"{self.plan.microbatches} microbatches (their gradients would add up in bf16)", self.plan.microbatches > 1),
-            ("zero=1", self._zero is not None)) if bad]
+            (f"zero={self.plan.zero}", self.plan.zero and self.mesh.dp > 1)) if bad]
         if why:
             raise ValueError(f"MasterAdamW needs one bf16 forward and backward per step on one stage; this plan has "
                              f"{', '.join(why)}: use pm.optimizer(torch.optim.AdamW, ...)")
@@ -239,7 +267,9 @@ class ParallelModel:
                 total = self._microbatches(inputs, m)
         if self.mesh.dp > 1:
             total = C.all_reduce(total, self._dp_group) / self.mesh.dp
-            if self._zero is not None:
+            if self._fsdp:
+                pass   # the gathers' backward left every shard its dp-mean gradient
+            elif self._zero is not None:
                 self._zero.reduce_scatter_grads()
             elif self._master is not None:
                 grads = self._master.grads()
@@ -295,6 +325,8 @@ class ParallelModel:
             grad = self._grad(p)
             if grad is not None and self.owns(fqn):
                 sq[0 if self._sharded(fqn) else 1] += grad.detach().float().pow(2).sum().cpu()
+        if self._fsdp:   # each dp rank holds its own rows (zero padding past the end)
+            sq = C.all_reduce(sq.to(self._device), self._dp_group).cpu()
         norm = self._norm(sq)
         if self._master is not None:   # the update multiplies the gradients: no pass that rewrites them
             self._master.grad_scale *= min(1.0, clip_coefficient(max_norm, norm))
@@ -321,6 +353,16 @@ class ParallelModel:
         """Whether this pipeline rank counts ``fqn`` (a weight on several stages counts once: in
         norms, gathers and checkpoints)."""
         return self._pipeline is None or self._pipeline.owner[fqn] == self.coords["pp"]
+
+    def dp_rows(self, fqn: str) -> tuple[int, int] | None:
+        """With ZeRO-2/3, the rows [start, stop) of ``fqn``'s tp shard that this rank's tensor holds
+        (the tensor has ``shard_rows`` rows, zero past ``stop``); None when parameters are whole over dp."""
+        if not self._fsdp:
+            return None
+        rows = self.plan.param(fqn).local_shape[0]
+        c = shard_rows(rows, self.mesh.dp)
+        start = min(rows, self.coords["dp"] * c)
+        return start, min(rows, start + c)
 
     @property
     def zero(self) -> Zero1 | None:
@@ -352,6 +394,9 @@ class ParallelModel:
             for q in self.plan.parameters:
                 fqn, full, pl = q.fqn, q.shape, self._placement[q.fqn]
                 x = tensor_of(self._params[fqn]) if fqn in self._params else None
+                if self._fsdp and x is not None:   # the dp shards, whole again
+                    x = C.all_gather(x.to(self._device), 0, self._dp_group, self.mesh.dp, self.coords["dp"],
+                                     q.local_shape[0], False)
                 if self._pipeline is not None:   # the owning stage's copy, sent to every pp rank
                     mine = x if x is not None and self.owns(fqn) else torch.zeros(self.plan.param(fqn).local_shape)
                     x = C.all_reduce(mine.to(self._device), self._pipeline.pp_group)
@@ -443,6 +488,26 @@ def _refuse_unsharded_call(module, args):
                        "this rank's shards, not its full weights, so it no longer runs on its own; run "
                        "pm.train_step(...) (or pm(...) for the forward), or load pm.full_state_dict() into a "
                        "freshly built model")
+
+
+def _units(cap) -> tuple[list[str], list[list[str]]]:
+    """The layer units' names and each one's global node names (one unit, "model", for a model
+    without repeated blocks)."""
+    try:
+        units = layer_units(cap)
+    except ValueError:
+        return ["model"], [[n.name for n in cap.gm.graph.nodes if n.op == "call_function"]]
+    return [u.name for u in units], [[n.name for n in u.nodes] for u in units]
+
+
+def _dp_shard(p: torch.nn.Parameter, size: int, rank: int) -> torch.nn.Parameter:
+    """This dp rank's rows of ``p`` (dim 0, ``shard_rows`` of them, zero-padded past the end)."""
+    rows = shard_rows(p.shape[0], size)
+    start = min(p.shape[0], rank * rows)
+    piece = p.detach()[start:start + rows]
+    shard = torch.zeros((rows, *p.shape[1:]), dtype=p.dtype, device=p.device)
+    shard[:piece.shape[0]] = piece
+    return torch.nn.Parameter(shard, requires_grad=p.requires_grad)
 
 
 def _materialize(model, cap, placements, size: int, rank: int, fqns) -> dict[str, torch.nn.Parameter]:

@@ -10,9 +10,7 @@ import torch
 
 from autopar import collectives as C
 from autopar.mesh import group_name
-from autopar.passes.capture import Captured
 from autopar.passes.pipeline_split import pipeline_split_pass
-from autopar.passes.units import stage_of_nodes
 
 
 class StageModule(torch.nn.Module):
@@ -52,9 +50,9 @@ def make_schedule(name: str, stages: list, microbatches: int, loss_fn):
 class Pipeline:
     """This rank's stages, their schedule, and the cross-stage gradient sums."""
 
-    def __init__(self, gm, cap: Captured, plan, dmesh, *, rank: int, materialize, buffers: dict, device,
+    def __init__(self, gm, stage_of: dict[str, int], plan, dmesh, *, rank: int, materialize, buffers: dict, device,
                  prepare, loss_scale, wrap):
-        """``rank``: this rank's pp coordinate; ``materialize(fqns)`` makes its parameter shards;
+        """``stage_of``: each global node name's stage; ``rank``: this rank's pp coordinate; ``materialize(fqns)`` makes its parameter shards;
         ``buffers``: every buffer by FQN; ``prepare(fqn, tensor)``: what the graphs compute with (the
         step's working copy); ``loss_scale()``: what the loss is multiplied by before backward;
         ``wrap(graph)``: the graph as it runs (compiled or eager)."""
@@ -63,7 +61,7 @@ class Pipeline:
         self.plan, self.device, self.loss_scale = plan, device, loss_scale
         n = len(plan.stages)
         pp = plan.mesh[1]
-        self.sg = pipeline_split_pass(gm, stage_of_nodes(cap, plan), n)
+        self.sg = pipeline_split_pass(gm, stage_of, n)
         if len(self.sg.label_inputs) != 1:
             raise NotImplementedError("pipeline parallelism needs exactly one label input (the targets); "
                                       f"this model's loss uses {self.sg.label_inputs or 'none'}")
