@@ -51,9 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, help="sequence length (default: the config's block size)")
     p.add_argument("--sequence-parallel", default="auto", choices=list(_SP),
                    help="sequence parallelism (default auto: the planner decides)")
-    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+    p.add_argument("--zero", type=lambda s: s if s == "auto" else int(s), default=0, choices=[0, 1, 2, 3, "auto"],
                    help="shard over dp: 1 the optimizer state, 2 the gradients too, 3 the weights too, "
-                        "gathered per layer unit (default 0)")
+                        "gathered per layer unit; auto: the fastest that fits (default 0)")
     p.add_argument("--plan", default="auto", choices=["auto", "megatron"],
                    help="auto: the planner decides; megatron: the hand-written plan (default auto)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from autopar.cost_model import get_device
-from autopar.cost_model.stages import SCHEDULES, rank_param_bytes, unit_costs
+from autopar.cost_model.stages import SCHEDULES, rank_param_bytes, state_bytes_per_param_byte, unit_costs
 from autopar.cost_model.strategy import OP_OVERHEAD
 from autopar.cost_model.step import dp_sync_time, param_byte_time, plan_update_time, rank_update_time, step_time
 from autopar.errors import PlanError, PlanFormatError
@@ -52,9 +52,9 @@ def check_knobs(mesh: Mesh, recompute, schedule, zero, sequence_parallel):
         raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
     if recompute not in ("none", "selective", "full", "auto"):
         raise ValueError(f"recompute={recompute!r}: expected 'none', 'selective', 'full' or 'auto'")
-    if zero not in (0, 1, 2, 3):
+    if zero not in (0, 1, 2, 3, "auto"):
         raise ValueError(f"zero={zero!r}: expected 0 (nothing sharded over dp), 1 (optimizer state), "
-                         "2 (and gradients) or 3 (and weights, gathered per unit)")
+                         "2 (and gradients), 3 (and weights, gathered per unit) or 'auto'")
     if sequence_parallel not in (True, False, "auto"):
         raise ValueError(f"sequence_parallel={sequence_parallel!r}: expected True, False or 'auto'")
 
@@ -123,7 +123,7 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
     if isinstance(mesh, str) and mesh == "auto":
         def price(candidate: Mesh, m: int) -> Decision:   # the candidate's plan, as it is made below
             check_knobs(candidate, recompute, schedule, zero, sequence_parallel)
-            planned[(candidate, m)] = _decide(model, candidate, example_inputs, microbatches=m, **knobs)
+            planned[(candidate, m)] = _decide_zero(model, candidate, example_inputs, microbatches=m, **knobs)
             return planned[(candidate, m)]
 
         budget = parse_bytes(memory_budget)
@@ -137,11 +137,11 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
     if isinstance(plan, Plan):
         options = [plan.microbatches]
     best = (planned.get((mesh, max(options)))
-            or _decide(model, mesh, example_inputs, microbatches=max(options), **knobs))
+            or _decide_zero(model, mesh, example_inputs, microbatches=max(options), **knobs))
     if len(options) > 1:
         m = _best_microbatches(best, mesh, options, knobs)
         if m != best.fields["microbatches"]:
-            best = _decide(model, mesh, example_inputs, microbatches=m, **knobs)
+            best = _decide_zero(model, mesh, example_inputs, microbatches=m, **{**knobs, "zero": best.fields["zero"]})
     return best.cap, best.strategies, best.plan(notes)
 
 
@@ -159,14 +159,14 @@ def _best_microbatches(planned: Decision, mesh: Mesh, options: list[int], knobs:
     modes = ["none", "full"] if recompute == "auto" else [recompute]
     acts = []
     for mode in modes:
-        time, static, act, boundary = unit_costs(cap, strategies, units, mesh, dev, zero=knobs["zero"],
+        time, static, act, boundary = unit_costs(cap, strategies, units, mesh, dev, zero=planned.fields["zero"],
                                                  gpus_per_node=knobs["gpus_per_node"],
                                                  working_copy=working_copy_ratio(cap), regions=regions_for(cap, mode))
         acts.append(act)
     overhead = OP_OVERHEAD * np.array([len(u.nodes) for u in units])
     budget = parse_bytes(knobs["memory_budget"])
     budget = dev.memory_bytes if budget is None else budget
-    zero, gpus_per_node, working_copy = knobs["zero"], knobs["gpus_per_node"], working_copy_ratio(cap)
+    zero, gpus_per_node, working_copy = planned.fields["zero"], knobs["gpus_per_node"], working_copy_ratio(cap)
     best, best_time = planned_m, float("inf")
     for m in options:
         grow = planned_m / m   # how much larger each microbatch is
@@ -262,6 +262,35 @@ def _view(fields: dict) -> SimpleNamespace:
     return SimpleNamespace(**{**defaults, **fields})
 
 
+def _decide_zero(model, mesh, example_inputs, *, zero, memory_budget, device, **knobs) -> Decision:
+    """``_decide`` at ``zero``; for zero="auto", at every ZeRO stage dp can shard, keeping the fastest
+    that fits the memory budget (the device's memory by default), else the one with the least peak.
+    A given plan keeps its own stage."""
+    if zero != "auto" or isinstance(knobs["plan"], Plan):
+        return _decide(model, mesh, example_inputs, zero=0 if zero == "auto" else zero,
+                       memory_budget=memory_budget, device=device, **knobs)
+    budget = parse_bytes(memory_budget)
+    limit = get_device(device).memory_bytes if budget is None else budget
+    tried, failed = [], []
+    for z in (0, 1, 2, 3) if mesh.dp > 1 else (0,):
+        try:
+            tried.append(_decide(model, mesh, example_inputs, zero=z, memory_budget=memory_budget, device=device,
+                                 **knobs))
+        except ValueError as e:   # no plan at this stage within the budget (the ILP's, the stage DP's)
+            failed.append(e)
+    if not tried:
+        raise failed[-1]
+    fits = [d for d in tried if d.peak_memory <= limit]
+    best = min(fits, key=lambda d: d.step_time) if fits else min(tried, key=lambda d: d.peak_memory)
+    if len(tried) > 1:
+        rows = "; ".join(f"zero={d.fields['zero']}: {d.step_time * 1e3:.3f} ms, {d.peak_memory / 2**30:.2f} GiB"
+                         f"{'' if d.peak_memory <= limit else ' (does not fit)'}" for d in tried)
+        why = "the fastest that fits" if fits else "none fits; the least memory"
+        best.fields["notes"] = best.fields.get("notes", ()) + (
+            f"zero chosen automatically: zero={best.fields['zero']}, {why} ({rows})",)
+    return best
+
+
 def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budget, schedule, microbatches,
             zero, device, gpus_per_node, stages, virtual_stages, recompute, precision, capture) -> Decision:
     m = microbatches
@@ -294,6 +323,8 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
             options = megatron_options(cap, options, sequence_parallel is not False)
         assignment = solve(cap, options, mesh.tp, dev, inter_node=mesh.tp > gpus_per_node,
                            memory_budget=parse_bytes(memory_budget) if recompute != "auto" else None,
+                           param_state_bytes=state_bytes_per_param_byte(mesh, 0 if zero == "auto" else zero,
+                                                                        working_copy_ratio(cap)),
                            param_byte_seconds=param_byte_time(mesh, dev, zero=zero, working_copy=precision != "fp32",
                                                               gpus_per_node=gpus_per_node))
     else:
