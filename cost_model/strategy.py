@@ -115,8 +115,22 @@ def move_time(moved: Node, consumer_target, slot: int, form: tuple, tp: int, dev
                for _, kind in kinds)
 
 
+_LAST_COLLECTIVES: list = []   # (graph, strategies, tp, result) of the last call: a plan's fields and its
+                               # stage costs ask for the same list one after the other
+
+
 def tp_collectives(cap, strategies: dict, tp: int):
     """(phase, kind, where, bytes, consumer node) of every tp collective the rewrite will emit."""
+    if _LAST_COLLECTIVES:
+        gm, last, size, result = _LAST_COLLECTIVES[0]
+        if gm is cap.gm and last is strategies and size == tp:
+            return list(result)
+    out = _tp_collectives(cap, strategies, tp)
+    _LAST_COLLECTIVES[:] = [(cap.gm, strategies, tp, tuple(out))]
+    return out
+
+
+def _tp_collectives(cap, strategies: dict, tp: int):
     out, seen = [], set()
     for c in cap.gm.graph.nodes:
         regather = False
