@@ -148,14 +148,14 @@ def _scatter_grad(g: torch.Tensor, group: str, size: int, dtype) -> torch.Tensor
 
 class _GatherParam(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, shard, group, size, rank, full, dtype):
+    def forward(ctx, shard, group, size, full, dtype):
         ctx.args = (group, size, shard.dtype)
         return _gather_weight(shard, group, size, full, dtype)
 
     @staticmethod
     def backward(ctx, g):
         group, size, dtype = ctx.args
-        return _scatter_grad(g, group, size, dtype), None, None, None, None, None
+        return _scatter_grad(g, group, size, dtype), None, None, None, None
 
 
 class _ShardedLinear(torch.autograd.Function):
@@ -216,12 +216,12 @@ def split(x: torch.Tensor, dim: int, group: str, size: int, rank: int, interleav
     return _interleaved(lambda t, d: _Split.apply(t, d, group, size, rank), x, dim, interleave)
 
 
-def gather_param(shard: torch.Tensor, group: str, size: int, rank: int, full: int,
+def gather_param(shard: torch.Tensor, group: str, size: int, full: int,
                  dtype: torch.dtype | None = None) -> torch.Tensor:
     """A parameter from its dp shards (dim 0, ``full`` rows in all), at ``dtype`` (the compute dtype;
     None: the shard's own): FSDP's unshard. Backward reduce-scatters the gradient at the shard's
     dtype (fp32 for fp32 master weights) and averages it over the group: the shard's dp-mean gradient."""
-    return _GatherParam.apply(shard, group, size, rank, full, dtype)
+    return _GatherParam.apply(shard, group, size, full, dtype)
 
 
 def sharded_linear(x: torch.Tensor, shard: torch.Tensor, group: str, size: int, full: int,

@@ -223,30 +223,13 @@ def _collect(procs, conns, deadline, timeout):
         # that had exited and has nothing to read died without raising.
         exited = [rank for rank in running if procs[rank].exitcode is not None]
         errors = {}
-        for rank in running:
-            message = _receive(conns[rank])
-            if message is None:
-                continue
-            if message[0] == "ok":
-                results[rank] = message[1]
-            else:
-                errors[rank] = message[1:]
-        silent = [rank for rank in exited if rank not in results and rank not in errors]
-        if errors and not silent:
+        quiet = _drain(running, conns, results, errors)
+        silent = [rank for rank in exited if rank in quiet]
+        if errors and quiet and not silent:
             # A dead rank's peers fail with connection errors as its sockets close, which can reach
             # us before its exit does: give the other ranks a moment to show whether one died.
-            others = [rank for rank in running if rank not in results and rank not in errors]
-            wait([procs[rank].sentinel for rank in others], _DEATH_GRACE_S)
-            for rank in others:
-                if procs[rank].exitcode is None:
-                    continue
-                message = _receive(conns[rank])
-                if message is None:
-                    silent.append(rank)
-                elif message[0] == "ok":
-                    results[rank] = message[1]
-                else:
-                    errors[rank] = message[1:]
+            wait([procs[rank].sentinel for rank in quiet], _DEATH_GRACE_S)
+            silent = _drain([rank for rank in quiet if procs[rank].exitcode is not None], conns, results, errors)
         # A dead rank's peers fail with connection errors a moment later, so its death is the cause.
         if silent:
             rank = silent[0]
@@ -255,6 +238,20 @@ def _collect(procs, conns, deadline, timeout):
             rank = min(errors, key=lambda r: errors[r][0])
             raise RankError(f"rank {rank} failed:\n{errors[rank][1]}")
     return results
+
+
+def _drain(ranks, conns, results: dict, errors: dict) -> list[int]:
+    """Read each rank's message, if it has one, into ``results`` or ``errors``; the ranks without one."""
+    quiet = []
+    for rank in ranks:
+        message = _receive(conns[rank])
+        if message is None:
+            quiet.append(rank)
+        elif message[0] == "ok":
+            results[rank] = message[1]
+        else:
+            errors[rank] = message[1:]
+    return quiet
 
 
 def _receive(conn):

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.fx import Node
 
-from autopar.passes.units import layer_units
+from autopar.passes.units import zero_units
 from autopar.placement import local_shape
 
 from .compute import node_flops
@@ -382,12 +382,8 @@ def param_state(cap, strategies, fqns, tp: int, dp: int, zero: int, working_copy
 def unit_param_bytes(cap, local: dict[str, float]) -> dict[str, float]:
     """Bytes of ``local`` (FQN -> bytes) per layer unit that uses them (a weight two units use, such
     as a tied embedding, counts in both: ZeRO-3 gathers it for each)."""
-    try:
-        units = layer_units(cap)
-    except ValueError:   # no repeated blocks: the model is one unit
-        return {"model": sum(local.values())}
     out = {}
-    for u in units:
+    for u in zero_units(cap):
         members = set(u.nodes)
         used = [f for f in local if any(user in members for user in cap.params[f].users)]
         if used:

@@ -38,7 +38,7 @@ def dp_sync_kinds(zero: int) -> list[tuple[str, str]]:
     return [("step", "reduce_scatter"), ("step", "all_gather")] if zero else [("step", "all_reduce")]
 
 
-def dp_sync_bytes(kind: str, phase: str, param_bytes: float, zero: int, gathered: float) -> float:
+def dp_sync_bytes(kind: str, param_bytes: float, zero: int, gathered: float) -> float:
     """Bytes one dp collective of ``dp_sync_kinds`` moves for ``param_bytes`` of fp32 weights:
     ZeRO-2/3 gather at the compute dtype (``gathered`` bytes per stored byte) and reduce in fp32."""
     return param_bytes * gathered if zero >= 2 and kind == "all_gather" else param_bytes
@@ -53,8 +53,8 @@ def dp_sync_time(param_bytes: float, mesh, dev, zero: int, gpus_per_node: int, *
         return 0.0
     inter = axis_is_inter_node(mesh.dp, mesh.pp * mesh.tp, gpus_per_node)
     times = microbatches if zero >= 2 else 1
-    return times * sum(collective_time(k, dp_sync_bytes(k, ph, param_bytes, zero, gathered), mesh.dp, dev, inter)
-                       for ph, k in dp_sync_kinds(zero))
+    return times * sum(collective_time(k, dp_sync_bytes(k, param_bytes, zero, gathered), mesh.dp, dev, inter)
+                       for _, k in dp_sync_kinds(zero))
 
 
 def param_byte_time(mesh, dev, *, zero: int, working_copy: bool, gpus_per_node: int = 8) -> float:

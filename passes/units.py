@@ -128,9 +128,11 @@ def stage_of_nodes(cap: Captured, plan) -> dict[str, int]:
     return {n.name: s for s, (a, b) in enumerate(bounds) for u in units[a:b] for n in u.nodes}
 
 
-def unit_names(cap: Captured) -> list[str]:
-    """The layer units' names ("model" for a model without repeated blocks: one unit)."""
+def zero_units(cap: Captured) -> list[Unit]:
+    """What ZeRO gathers at once: the layer units, or for a model without repeated blocks one unit,
+    "model", of all its ops."""
     try:
-        return [u.name for u in layer_units(cap)]
+        return layer_units(cap)
     except PlanError:
-        return ["model"]
+        ops = tuple(n for n in cap.gm.graph.nodes if n.op == "call_function")
+        return [Unit("model", tuple(dict.fromkeys(n.meta.get("module_path") or "" for n in ops)), ops)]

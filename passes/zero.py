@@ -29,14 +29,20 @@ def shard_rows(rows: int, size: int) -> int:
     return -(-rows // size)
 
 
+def _unit_index(units: list[list[str]]):
+    """node -> the index of the unit its global node (``meta["origin"]``) is in; the last unit for none."""
+    unit_of = {name: k for k, names in enumerate(units) for name in names}
+    return lambda n: unit_of.get(n.meta.get("origin", n.name), len(units) - 1)
+
+
 def unit_params(gm: GraphModule, units: list[list[str]], params: set[str]) -> dict[int, list[str]]:
     """Unit index -> the FQNs of ``params`` its ops use, in graph order (``units``: each unit's
-    global node names; an op in none counts as the last unit's)."""
-    unit_of = {name: k for k, names in enumerate(units) for name in names}
+    global node names)."""
+    unit = _unit_index(units)
     out: dict[int, list[str]] = {}
     for n in gm.graph.nodes:
         if n.op == "placeholder" and n.meta.get("kind") == "param" and n.meta.get("fqn") in params:
-            for k in dict.fromkeys(unit_of.get(u.meta.get("origin", u.name), len(units) - 1) for u in n.users):
+            for k in dict.fromkeys(unit(u) for u in n.users):
                 out.setdefault(k, []).append(n.meta["fqn"])
     return {k: out[k] for k in sorted(out)}
 
@@ -46,15 +52,12 @@ def gather_name(unit: int, fqn: str) -> str:
     return f"{GATHER}.{unit}.{fqn}"
 
 
-def zero_pass(gm: GraphModule, *, units: list[list[str]], rows: dict[str, int], group: str, size: int, rank: int,
+def zero_pass(gm: GraphModule, *, units: list[list[str]], rows: dict[str, int], group: str, size: int,
               dtype: torch.dtype | None, reshard: set[int] = frozenset()) -> GraphModule:
     """Feed the parameters of ``rows`` (FQN -> rows of its tp shard) as dp shards, all-gathered over ``group`` before each unit."""
     out = copy_graph(gm)
     g = out.graph
-    unit_of = {name: k for k, names in enumerate(units) for name in names}
-
-    def unit(n) -> int:
-        return unit_of.get(n.meta.get("origin", n.name), len(units) - 1)
+    unit = _unit_index(units)
 
     first_op: dict[int, torch.fx.Node] = {}
     for n in g.nodes:
@@ -72,7 +75,7 @@ def zero_pass(gm: GraphModule, *, units: list[list[str]], rows: dict[str, int], 
                 if not users:
                     continue
             with g.inserting_before(first_op[k]):
-                gathered = g.call_function(gather_param, (ph, group, size, rank, rows[fqn], dtype))
+                gathered = g.call_function(gather_param, (ph, group, size, rows[fqn], dtype))
             gathered.meta.update(origin=gather_name(k, fqn), module_path=first_op[k].meta.get("module_path", ""))
             if full is not None:
                 gathered.meta["val"] = full if dtype is None else full.to(dtype)

@@ -12,7 +12,7 @@ import pool
 from autopar import collectives as C
 from autopar.examples.gpt import example_inputs
 from autopar.passes.zero import shard_rows
-from parity import SEQ, TINY, make_model, reference
+from parity import SEQ, TINY, make_model, reference, train_curve
 
 STEPS, LR, BATCH = 10, 1e-3, 8
 # (mesh, zero, optimizer, knobs): plain = torch.optim.AdamW(pm.parameters()), own = pm.optimizer(AdamW)
@@ -48,8 +48,6 @@ def _one(rank, world, mesh, zero, optimizer, knobs):
                sum(1 for g in graphs for n in g.nodes if n.target is C.sharded_linear), calls[0])
     opt = (torch.optim.AdamW(pm.parameters(), lr=LR) if optimizer == "plain"
            else pm.optimizer(torch.optim.AdamW, lr=LR))
-    for p in opt.param_groups[0]["params"]:
-        p.grad = None
     curve = []
     for _ in range(STEPS):
         opt.zero_grad()
@@ -71,10 +69,7 @@ JOBS = {w: pool.job(w, _world, cases, timeout=900) for w, cases in BY_WORLD.item
 @pytest.fixture(scope="module")
 def ref():
     loss, grads, _ = reference(TINY, batch=BATCH)
-    model = make_model()
-    idx, tgt = example_inputs(TINY, BATCH, SEQ)
-    from parity import train_curve
-    return loss, grads, train_curve(model, idx, tgt, STEPS, LR)
+    return loss, grads, train_curve(make_model(), *example_inputs(TINY, BATCH, SEQ), STEPS, LR)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-zero{c[1]}-{c[2]}{'-' + '-'.join(c[3].values()) if c[3] else ''}")

@@ -22,7 +22,7 @@ from autopar.errors import PlanError, PlanFormatError
 from autopar.mesh import Mesh
 from autopar.passes.capture import Captured, capture_pass
 from autopar.passes.precision import compute_dtype, retyped, working_copy_ratio
-from autopar.passes.units import layer_units, stage_of_nodes, unit_names
+from autopar.passes.units import layer_units, stage_of_nodes, zero_units
 from autopar.placement import Shard
 from autopar.planner.megatron import megatron_options
 from autopar.planner.mesh_search import rank_meshes, ranking_table
@@ -237,7 +237,7 @@ class Decision:
         fields = dict(self.fields)
         if self.given is not None:
             fields.update(notes=self.given.notes, model=self.given.model)
-        fields["notes"] = tuple(dict.fromkeys(fields.get("notes", ()) + tuple(notes)))
+        fields["notes"] = fields.get("notes", ()) + tuple(notes)
         fields["warnings"] = _warnings(_view(fields), self.cap, self.strategies, Mesh(*fields["mesh"]),
                                        self.dev, self.budget, self.gpus_per_node)
         return Plan(**fields)
@@ -248,7 +248,7 @@ def _check_units(cap, names: tuple[str, ...], zero: int) -> None:
     if zero != 3:
         raise PlanFormatError(f"plan.keep_gathered lists {', '.join(names)}, but only zero=3 reshards units "
                               f"(this plan has zero={zero}); empty it or set zero to 3")
-    known = unit_names(cap)
+    known = [u.name for u in zero_units(cap)]
     unknown = [n for n in names if n not in known]
     if unknown:
         raise PlanFormatError(f"plan.keep_gathered: the model has no unit {', '.join(unknown)}; its units are "
@@ -323,8 +323,7 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
             options = megatron_options(cap, options, sequence_parallel is not False)
         assignment = solve(cap, options, mesh.tp, dev, inter_node=mesh.tp > gpus_per_node,
                            memory_budget=parse_bytes(memory_budget) if recompute != "auto" else None,
-                           param_state_bytes=state_bytes_per_param_byte(mesh, 0 if zero == "auto" else zero,
-                                                                        working_copy_ratio(cap)),
+                           param_state_bytes=state_bytes_per_param_byte(mesh, zero, working_copy_ratio(cap)),
                            param_byte_seconds=param_byte_time(mesh, dev, zero=zero, working_copy=precision != "fp32",
                                                               gpus_per_node=gpus_per_node))
     else:

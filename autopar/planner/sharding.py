@@ -244,8 +244,7 @@ def sharding_fields(cap: Captured, assignment: Assignment, mesh, dev, *, sequenc
     gathered = working_copy_ratio(cap) or 1.0   # ZeRO-2/3 gather the weights at the compute dtype
     times = m if zero >= 2 else 1
     for phase, kind in dp_sync_kinds(zero) if dp > 1 else []:
-        agg[(kind, "dp", phase, "(all parameters)")] = [times, times * dp_sync_bytes(kind, phase, local_bytes, zero,
-                                                                                       gathered)]
+        agg[(kind, "dp", phase, "(all parameters)")] = [times, times * dp_sync_bytes(kind, local_bytes, zero, gathered)]
     comm += dp_sync_time(local_bytes, mesh, dev, zero, gpus_per_node, microbatches=m, gathered=gathered)
     compute = flat_compute_time(strategies, tp, dev, tp_inter, m)
     colls = tuple(CollectivePlan(k, axis, ph, w, n, int(b)) for (k, axis, ph, w), (n, b) in agg.items())

@@ -18,7 +18,7 @@ from autopar.passes.shard import shard_pass
 from autopar.passes.rules import is_float
 from autopar.passes.fuse_loss import cross_entropy_kernel_pass
 from autopar.passes.precision import compute_dtype
-from autopar.passes.units import layer_units, stage_of_nodes
+from autopar.passes.units import stage_of_nodes, zero_units
 from autopar.passes.zero import gather_name, shard_rows, unit_params, zero_pass
 from autopar.placement import Shard, local_shape, parse_placement, shard_tensor
 from autopar.kernels.fused_linear_ce import triton_available
@@ -78,11 +78,11 @@ class ParallelModel:
         self._fsdp = plan.zero >= 2 and mesh.dp > 1
         units = gathers = None
         if self._fsdp:
-            labels, units = _units(cap)
+            labels, units = zip(*((u.name, [n.name for n in u.nodes]) for u in zero_units(cap)))
             gathers = unit_params(cap.gm, units, set(cap.params))
             resharded = {k for k, label in enumerate(labels) if plan.zero == 3 and label not in plan.keep_gathered}
             steps.append((zero_pass, dict(units=units, rows={p.fqn: p.local_shape[0] for p in plan.parameters},
-                                          group=self._dp_group, size=mesh.dp, rank=self.coords["dp"],
+                                          group=self._dp_group, size=mesh.dp,
                                           dtype=compute_dtype(plan.precision) if plan.precision != "fp32" else None,
                                           reshard=resharded)))
         # One microbatch on one stage: the 16-bit weight copies are cast inside the compiled graph,
@@ -155,8 +155,7 @@ class ParallelModel:
             return None
         where = stage_of_nodes(cap, plan)
         for k, fqns in (gathers or {}).items():
-            first = units[k][0] if k < len(units) else None
-            where.update({gather_name(k, f): where.get(first, len(plan.stages) - 1) for f in fqns})
+            where.update({gather_name(k, f): where.get(units[k][0], len(plan.stages) - 1) for f in fqns})
         return where
 
     # ---- parameters ----------------------------------------------------------------------
@@ -267,15 +266,14 @@ class ParallelModel:
                 total = self._microbatches(inputs, m)
         if self.mesh.dp > 1:
             total = C.all_reduce(total, self._dp_group) / self.mesh.dp
-            if self._fsdp:
-                pass   # the gathers' backward left every shard its dp-mean gradient
-            elif self._zero is not None:
+            # (ZeRO-2/3: the gathers' backward already left every shard its dp-mean gradient)
+            if self._zero is not None:
                 self._zero.reduce_scatter_grads()
             elif self._master is not None:
                 grads = self._master.grads()
                 self._master.use_reduced(dict(zip(grads, _all_reduce_mean(list(grads.values()), self._dp_group,
                                                                            self.mesh.dp))))
-            else:
+            elif not self._fsdp:
                 grads = [p.grad for p in self.parameters() if p.grad is not None]
                 for g, mean in zip(grads, _all_reduce_mean(grads, self._dp_group, self.mesh.dp)):
                     g.copy_(mean)
@@ -488,16 +486,6 @@ def _refuse_unsharded_call(module, args):
                        "this rank's shards, not its full weights, so it no longer runs on its own; run "
                        "pm.train_step(...) (or pm(...) for the forward), or load pm.full_state_dict() into a "
                        "freshly built model")
-
-
-def _units(cap) -> tuple[list[str], list[list[str]]]:
-    """The layer units' names and each one's global node names (one unit, "model", for a model
-    without repeated blocks)."""
-    try:
-        units = layer_units(cap)
-    except ValueError:
-        return ["model"], [[n.name for n in cap.gm.graph.nodes if n.op == "call_function"]]
-    return [u.name for u in units], [[n.name for n in u.nodes] for u in units]
 
 
 def _dp_shard(p: torch.nn.Parameter, size: int, rank: int) -> torch.nn.Parameter:
