@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -281,16 +282,23 @@ def _stop(procs):
             proc.join()
 
 
+_ENVIRON_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _environ(values):
-    """Sets environment variables for the duration of the block, then restores the previous ones."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                del os.environ[key]
-            else:
-                os.environ[key] = value
+    """Sets environment variables for the duration of the block, then restores the previous ones.
+
+    The environment is the process's: two threads spawning at once would start each other's
+    ranks with the wrong RANK or MASTER_PORT, so one block runs at a time."""
+    with _ENVIRON_LOCK:
+        saved = {key: os.environ.get(key) for key in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    del os.environ[key]
+                else:
+                    os.environ[key] = value

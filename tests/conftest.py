@@ -1,5 +1,27 @@
 """Puts tests/ on sys.path for every test directory, so that tests/passes and tests/kernels can import
-the shared helpers (parity, pool) however pytest is started."""
+the shared helpers (parity, pool) however pytest is started; runs the pooled rank jobs in the
+background while the tests that need no ranks run (``pool.start``)."""
+
+
+def pytest_collection_modifyitems(items):
+    """The modules that read pooled jobs run last, so the background pool has their worlds ready."""
+    import pool
+
+    late = pool.modules()
+    items.sort(key=lambda item: getattr(getattr(item, "module", None), "__name__", "") in late)
+
+
+def pytest_collection_finish(session):
+    import pool
+
+    if session.items and not session.config.option.collectonly:
+        pool.start()
+
+
+def pytest_unconfigure(config):
+    import pool
+
+    pool.stop()
 
 
 def pytest_terminal_summary(terminalreporter):

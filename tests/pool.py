@@ -6,6 +6,14 @@ once and runs there every job registered for it so far, in registration order, i
 Process start-up, the imports and the first collective of each process are then paid once per
 world size instead of once per module.
 
+Once collection is over, ``start()`` (called by conftest) runs every registered world in a
+background thread, one world after another, while the main process goes on with the tests that
+need no ranks (conftest puts the modules that read pooled jobs last): on a 2-core machine the
+main process keeps one core busy and the ranks the other. A test that asks for a world the
+thread has not reached yet spawns it itself; one that asks for the world being run waits for it.
+Each rank restores the environment the session had when ``start()`` ran, so a test that sets a
+variable (monkeypatch) while a world starts does not leak it into the ranks.
+
 A job that raises (on any rank) gives its traceback to the tests that read it; the jobs after it
 still run. Work that must own its processes stays on ``autopar.launch.spawn``: expected rank
 failures, extra environment variables, and global switches such as ``autopar.set_deterministic``.
@@ -13,9 +21,13 @@ failures, extra environment variables, and global switches such as ``autopar.set
 from __future__ import annotations
 
 import atexit
+import multiprocessing
+import os
 import pickle
 import shutil
+import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -25,6 +37,10 @@ _JOBS: dict[int, list["Job"]] = {}
 _RESULTS: dict[int, list] = {}
 _FAILED: dict[int, str] = {}
 _WORKDIR: list[str] = []
+_LOCKS: dict[int, threading.Lock] = {}
+_LOCK = threading.Lock()   # guards _LOCKS and _WORKDIR
+_ENV: dict[str, str] = {}   # the environment ranks run with, taken by start()
+_BACKGROUND: list[threading.Thread] = []
 
 
 class JobError(AssertionError):
@@ -32,8 +48,9 @@ class JobError(AssertionError):
 
 
 class Job:
-    def __init__(self, world: int, fn, args: tuple, timeout: float, workdir: bool, lazy):
+    def __init__(self, world: int, fn, args: tuple, timeout: float, workdir: bool, lazy, module: str):
         self.world, self.fn, self.args, self.timeout, self.workdir, self.lazy = world, fn, args, timeout, workdir, lazy
+        self.module = module   # the test module that registered the job
         self.path = None   # the workdir, once the pool has started
         self.index = len(_JOBS.setdefault(world, []))
         _JOBS[world].append(self)
@@ -53,10 +70,50 @@ def job(world: int, fn, *args, timeout: float = 600.0, workdir: bool = False, la
     with a fresh directory every rank of this job shares) to run in the pool of ``world`` ranks.
     ``lazy``, a callable, gives more arguments when the pool starts: the ranks import the test
     modules again, so a module's import should not compute them."""
-    return Job(world, fn, args, timeout, workdir, lazy)
+    return Job(world, fn, args, timeout, workdir, lazy, sys._getframe(1).f_globals.get("__name__", ""))
 
 
-def _run_all(rank, world, jobs):
+def modules() -> set[str]:
+    """The test modules that registered pooled jobs."""
+    return {j.module for jobs in _JOBS.values() for j in jobs}
+
+
+def start() -> None:
+    """Runs every world registered so far in a background thread, largest total job timeout first."""
+    _ENV.update(os.environ)
+    worlds = sorted(_JOBS, key=lambda w: -sum(j.timeout for j in _JOBS[w]))
+    thread = threading.Thread(target=_run_quietly, args=(worlds,), name="autopar-test-pool", daemon=True)
+    _BACKGROUND.append(thread)
+    thread.start()
+
+
+def stop() -> None:
+    """Ends the session's pool: ranks still running (the session was interrupted) are terminated."""
+    if any(t.is_alive() for t in _BACKGROUND):
+        for child in multiprocessing.active_children():
+            child.terminate()
+
+
+def _run_quietly(worlds) -> None:
+    for world in worlds:
+        try:
+            _run(world)
+        except Exception:   # recorded in _FAILED: the tests that read the world report it
+            pass
+
+
+def _restore_environment(env: dict[str, str]) -> None:
+    """The session's environment, with what spawn set for this rank kept."""
+    if not env:
+        return
+    own = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                      "OMP_NUM_THREADS") if k in os.environ}
+    os.environ.clear()
+    os.environ.update({**env, **own})
+
+
+def _run_all(rank, world, jobs, env):
+    _restore_environment(env)
     out = []
     for fn, args in jobs:
         start = time.perf_counter()
@@ -70,14 +127,22 @@ def _run_all(rank, world, jobs):
 
 
 def _run(world: int) -> list:
+    with _LOCK:
+        lock = _LOCKS.setdefault(world, threading.Lock())
+    with lock:
+        return _run_locked(world)
+
+
+def _run_locked(world: int) -> list:
     if world in _FAILED:   # a new exception each time: re-raising one would grow its traceback per test
         raise JobError(f"the pool of {world} ranks failed: {_FAILED[world]}")
     jobs = _JOBS[world]
     done = _RESULTS.get(world, [[]])[0]
     if len(done) < len(jobs):   # jobs registered after the last spawn (a module imported late)
-        if not _WORKDIR:
-            _WORKDIR.append(tempfile.mkdtemp(prefix="autopar-pool-"))
-            atexit.register(shutil.rmtree, _WORKDIR[0], ignore_errors=True)
+        with _LOCK:
+            if not _WORKDIR:
+                _WORKDIR.append(tempfile.mkdtemp(prefix="autopar-pool-"))
+                atexit.register(shutil.rmtree, _WORKDIR[0], ignore_errors=True)
         todo = jobs[len(done):]
         for j in todo:
             if j.workdir:
@@ -85,7 +150,7 @@ def _run(world: int) -> list:
         work = [(j.fn, ((j.path,) if j.workdir else ()) + j.args + (tuple(j.lazy()) if j.lazy else ()))
                 for j in todo]
         try:
-            res = spawn(_run_all, world, work, timeout=min(3600.0, sum(j.timeout for j in todo)))
+            res = spawn(_run_all, world, work, dict(_ENV), timeout=min(3600.0, sum(j.timeout for j in todo)))
         except Exception as e:
             _FAILED[world] = f"{type(e).__name__}: {e}"
             raise
