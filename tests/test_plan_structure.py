@@ -8,7 +8,6 @@ import torch
 
 import autopar
 from autopar.examples.gpt import build, example_inputs
-from autopar.launch import spawn
 import pool
 from parity import BATCH, SEQ, TINY, make_model
 
@@ -105,16 +104,22 @@ def test_collectives_in_compiled_graphs(sp, budget):
         assert layer["bwd"] == {"all_gather": 2 + regathers, "reduce_scatter": 2, "all_reduce": 6}
 
 
-def _inductor_run(rank, world):
+def _inductor_run(rank, world, path):
+    import os
+
     from parity import parallel_run
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(path, f"inductor-{rank}")   # a cold cache: Inductor really compiles
     return parallel_run(rank, world, (1, 1, 2), dict(plan="megatron", sequence_parallel=True, compile=True))
 
 
-def test_inductor_two_ranks(tmp_path):
+INDUCTOR = pool.job(2, _inductor_run, timeout=600, workdir=True)
+
+
+def test_inductor_two_ranks():
     """compile=True lowers each rank's graph through Inductor (C++ on CPU) and keeps parity."""
     from parity import reference
     ref_loss, ref_grads, _ = reference()
-    results = spawn(_inductor_run, 2, timeout=600, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+    results = INDUCTOR.result()
     for loss, grads, _, _ in results:
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         for name, g in ref_grads.items():
