@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=lambda s: s if s == "auto" else int(s), default=0, choices=[0, 1, 2, 3, "auto"],
                    help="shard over dp: 1 the optimizer state, 2 the gradients too, 3 the weights too, "
                         "gathered per layer unit; auto: the fastest that fits (default 0)")
+    p.add_argument("--offload", default="none", choices=["none", "optimizer", "auto"],
+                   help="optimizer: the fp32 master weights and AdamW state in host memory, stepped by the CPU; "
+                        "auto: only when the plan does not fit the device without it (default none)")
     p.add_argument("--plan", default="auto", choices=["auto", "megatron"],
                    help="auto: the planner decides; megatron: the hand-written plan (default auto)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
@@ -62,14 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recompute regions per block, trading forward time for activation memory (default none)")
     p.add_argument("--out", metavar="PLAN.json", help="also write the plan as JSON to this file")
     p.add_argument("--html", metavar="PLAN.html", help="also write the self-contained HTML plan view")
-    c = sub.add_parser("compare", help="the automatic plan, plan=megatron and the hand-written baseline, "
-                                       "trained side by side on CPU ranks",
-                       description="Train the example GPT with the automatic plan, plan='megatron' and the "
-                                   "hand-written DTensor baseline on the same data (gloo ranks on this machine) "
-                                   "and print losses, collectives per step, memory, step time and setup time.")
-    c.add_argument("--mesh", default="1,1,2", help="dp,pp,tp (pp must be 1: the baseline has no pipeline)")
+    c = sub.add_parser("compare", help="autopar's plans and hand-written PyTorch parallelism (DTensor TP, "
+                                       "FSDP2) trained side by side on CPU ranks",
+                       description="Train the example GPT with each contender on the same data (gloo ranks on "
+                                   "this machine) and print the losses against the unsharded model's, the last "
+                                   "step's collectives per kind (count / MiB of full tensors), peak tensor "
+                                   "memory per rank, RSS, step time and setup time. Contenders: auto, megatron "
+                                   "(autopar, ZeRO-0), zero3 (autopar plan=auto, zero=3), hand-written (TP/SP "
+                                   "by hand + FSDP2), fsdp2 (FSDP2 over dp; with tp=1 without any TP plan).")
+    c.add_argument("--mesh", default="1,1,2",
+                   help="dp,pp,tp (pp > 1 only for autopar's contenders: the hand-written ones have no pipeline)")
     c.add_argument("--steps", type=int, default=5)
     c.add_argument("--sequence-parallel", default="on", choices=["on", "off"])
+    c.add_argument("--contenders", default="auto,megatron,hand-written",
+                   help="comma-separated, in table order, from auto, megatron, zero3, hand-written, fsdp2 "
+                        "(default auto,megatron,hand-written)")
     d = sub.add_parser("diff", help="what differs between two plan files (exit 1 if anything does)",
                        description="Compare two plan JSON files: placements, node strategies, collectives, "
                                    "stages, memory and predicted time. With the model (--model, or the one "
@@ -209,7 +219,8 @@ def _plan(args) -> int:
         plan = autopar.plan(model, args.mesh, inputs, device=args.device, plan=args.plan,
                             sequence_parallel=_SP[args.sequence_parallel], zero=args.zero,
                             world_size=args.gpus, gpus_per_node=args.gpus_per_node, schedule=args.schedule,
-                            microbatches=args.microbatches, precision=args.precision, recompute=args.recompute)
+                            microbatches=args.microbatches, precision=args.precision, recompute=args.recompute,
+                            offload=args.offload)
     plan = dataclasses.replace(plan, model=args.config)   # lets `diff` re-derive it
     print(plan.summary())
     for warning in plan.warnings:   # the summary's last lines too, but stdout may go to a file
@@ -286,9 +297,8 @@ def main(argv=None) -> int:
             from autopar.compare import compare, table
             from autopar.mesh import Mesh
             mesh = Mesh.parse(args.mesh)
-            if mesh.pp != 1:
-                raise ValueError("compare runs pp=1 meshes: the hand-written baseline has no pipeline")
-            print(table(compare((mesh.dp, mesh.pp, mesh.tp), args.steps,
+            contenders = tuple(c.strip() for c in args.contenders.split(",") if c.strip())
+            print(table(compare((mesh.dp, mesh.pp, mesh.tp), args.steps, contenders=contenders,
                                 sequence_parallel=args.sequence_parallel == "on")))
             return 0
         if args.command == "calibrate":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import warnings
 
 import torch
@@ -18,7 +19,7 @@ def plan(model, mesh, example_inputs, *, device="h100", gpus_per_node=8, world_s
 
     ``mesh`` is (dp, pp, tp) or "auto" (then ``world_size`` devices are ranked; the ranking
     is in the plan's notes). ``knobs`` are parallelize's: plan, sequence_parallel, recompute,
-    memory_budget, schedule, microbatches, zero, stages, virtual_stages, precision."""
+    memory_budget, schedule, microbatches, zero, offload, stages, virtual_stages, precision."""
     return decide(model, mesh, example_inputs, device=device, gpus_per_node=gpus_per_node, world_size=world_size,
                   **knobs)[2]
 
@@ -46,7 +47,7 @@ def default_gpus_per_node() -> int:
 
 
 def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto", recompute="none",
-                memory_budget=None, schedule="1F1B", microbatches=None, zero=0, compile=True,
+                memory_budget=None, schedule="1F1B", microbatches=None, zero=0, offload="none", compile=True,
                 device=None, gpus_per_node=None, stages=None, virtual_stages=None, precision="fp32",
                 loss_kernel="auto"):
     """Plan ``model`` for ``mesh`` and build this rank's parallel program.
@@ -59,6 +60,11 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
     "max-autotune" or "max-autotune-no-cudagraphs" through Inductor in that mode; another string
     or a callable names a torch.compile backend (e.g. "aot_eager"); False runs the rewritten
     graph eagerly.
+    ``offload``: "none"; "optimizer" (ZeRO-Offload: the fp32 master weights and the optimizer
+    state live in host memory and the CPU steps them; the device keeps the working weights and
+    their gradients; build the optimizer with ``pm.optimizer(cls, ...)``,
+    ``autopar.runtime.offload``); "auto" (the planner offloads only when the plan misses
+    ``memory_budget``, by default the device's memory, without it and fits with it).
     ``device``: the cost model's device preset or profile (default: this machine's kind,
     ``default_device``). ``gpus_per_node``: ranks sharing a node's fast links, for pricing
     axes that span nodes (default: ``default_gpus_per_node``).
@@ -75,30 +81,34 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
 
     if loss_kernel not in (True, False, "auto"):
         raise ValueError(f"loss_kernel={loss_kernel!r}: expected True, False or 'auto'")
+    offload = "none" if offload is None else offload
     if not dist.is_initialized():
         init_distributed()
     world = dist.get_world_size()
     auto = isinstance(mesh, str) and mesh == "auto"
     mesh_ = None if auto else Mesh.parse(mesh)
     if mesh_ is not None:
-        check_knobs(mesh_, recompute, schedule, zero, sequence_parallel)
+        check_knobs(mesh_, recompute, schedule, zero, sequence_parallel, offload)
         if world != mesh_.world_size:
             raise ValueError(f"mesh {mesh_} needs {mesh_.world_size} ranks but the world has {world}; "
                              f"launch {mesh_.world_size} processes or change the mesh")
     knobs = dict(sequence_parallel=sequence_parallel, recompute=recompute, memory_budget=memory_budget,
-                 schedule=schedule, microbatches=microbatches, zero=zero, device=device or default_device(),
+                 schedule=schedule, microbatches=microbatches, zero=zero, offload=offload,
+                 device=device or default_device(),
                  gpus_per_node=gpus_per_node or default_gpus_per_node(),
                  stages=stages, virtual_stages=virtual_stages, precision=precision)
     # rank 0 plans once; the others capture the same graph and take its strategies from the plan,
     # pricing nothing (they would only repeat rank 0's figures and its capture warnings)
-    box, decided = [None], None
+    box, decided, failure = [None], None, None
     if dist.get_rank() == 0:
         try:
             decided = decide(model, mesh, example_inputs, plan=plan, world_size=world, **knobs)
             box[0] = decided[2].to_json()
         except Exception as e:   # every rank must learn of the failure, not hang in the broadcast
-            box[0] = e
+            failure, box[0] = e, _picklable(e)
     dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
     if isinstance(box[0], Exception):
         raise box[0]
     the_plan = Plan.from_json(box[0])
@@ -111,3 +121,13 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
     mesh_ = Mesh(*the_plan.mesh)
     dmesh = device_mesh(mesh_, default_device_type())
     return ParallelModel(model, cap, strategies, the_plan, mesh_, dmesh, compile=compile, loss_kernel=loss_kernel)
+
+
+def _picklable(e: Exception) -> Exception:
+    """``e``, or where it cannot be pickled (it holds a C++ object) a RuntimeError with its message,
+    for the broadcast that tells the other ranks (rank 0 raises ``e`` itself)."""
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:
+        return RuntimeError(f"planning failed on rank 0: {type(e).__name__}: {e}")

@@ -265,7 +265,7 @@ def _optimizer_state_to_save(pm: ParallelModel, optimizer) -> dict:
                 if boxes.views:
                     out[f"{_OPTIM}{fqn}/state/{name}"] = boxes
         return out
-    fqn_of = {id(p): fqn for fqn, p in params.items()}
+    fqn_of = {id(p): fqn for fqn, p in pm.stored_weights().items()}   # offloaded: the host masters
     for group_sd, group in zip(sd["param_groups"], optimizer.param_groups):
         for index, p in zip(group_sd["params"], group["params"]):
             fqn = _fqn_of(fqn_of, p)
@@ -354,7 +354,7 @@ def _request_zero_state(pm: ParallelModel, optimizer, md, want: dict, path, fqns
 def _request_plain_state(pm: ParallelModel, optimizer, md, want: dict, path):
     """An optimizer over the local shards: state shaped like each shard, read from its global entry."""
     sd, layouts, saved = optimizer.state_dict(), _layouts(pm), _saved_optimizer_entries(md)
-    fqn_of = {id(p): fqn for fqn, p in pm.named_parameters()}
+    fqn_of = {id(p): fqn for fqn, p in pm.stored_weights().items()}   # offloaded: the host masters
     members = []   # per group: [(index in the optimizer's state_dict, fqn, {name: tensor}, [scalar names])]
     for group_sd, group in zip(sd["param_groups"], optimizer.param_groups):
         members.append([])
@@ -396,7 +396,7 @@ def _checked_group(current: dict, saved: dict, path) -> dict:
 def _model_tensors(pm: ParallelModel, *, owned_only: bool) -> dict[str, _Boxes]:
     """This rank's parameters (and persistent buffers) as global boxes over their memory."""
     layouts, out = _layouts(pm), {}
-    for fqn, p in pm.named_parameters():
+    for fqn, p in pm.stored_weights().items():   # with optimizer offload, the fp32 masters on the host
         if not owned_only or pm.owns(fqn):
             out[fqn] = _shard_boxes(layouts[fqn], p.detach())
     for name, b in pm.persistent_buffers().items():
@@ -469,8 +469,7 @@ def load_checkpoint(pm: ParallelModel, optimizer, path) -> dict:
     want.update({k: None for k in (_STEP, _EXTRA, _SCALER) if k in md})
     with torch.no_grad():
         dcp.load(want, storage_reader=FileSystemReader(str(path)), planner=_LoadPlanner())
-        if pm.zero is not None:
-            pm.zero.refresh_slice()
+        pm.weights_loaded()
         if finish is not None:
             finish()
     scaler = getattr(pm, "loss_scaler", None)

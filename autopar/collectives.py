@@ -136,9 +136,22 @@ class _Split(torch.autograd.Function):
         return _ag(g, dim, group, size, full), None, None, None, None
 
 
-def _gather_weight(shard: torch.Tensor, group: str, size: int, full: int, dtype) -> torch.Tensor:
-    """A weight from its dp shards (dim 0), at ``dtype`` (None: the shard's own)."""
-    return _ag(shard if dtype is None or shard.dtype == dtype else shard.to(dtype), 0, group, size, full)
+def _launch_gather(shard: torch.Tensor, group: str, size: int, dtype) -> torch.Tensor:
+    """The all-gather of a weight's dp shards (dim 0) at ``dtype`` (None: the shard's own), launched and
+    not waited: every rank's rows, padding included, once ``wait_tensor`` has run on it."""
+    shard = shard.detach()   # the gradient reaches the shard through gather_param / sharded_linear
+    if dtype is not None and shard.dtype != dtype:
+        shard = shard.to(dtype)
+    return _ops.all_gather_into_tensor(shard.contiguous(), size, group)
+
+
+def _gather_weight(shard: torch.Tensor, group: str, size: int, full: int, dtype,
+                   pending: torch.Tensor | None = None) -> torch.Tensor:
+    """A weight from its dp shards (dim 0), at ``dtype`` (None: the shard's own): the all-gather
+    ``pending`` launched earlier (``prefetch_gather``) waited on, else one launched and waited now."""
+    if pending is None:
+        pending = _launch_gather(shard, group, size, dtype)
+    return _own(_ops.wait_tensor(pending), 0, full, pending.dtype)
 
 
 def _scatter_grad(g: torch.Tensor, group: str, size: int, dtype) -> torch.Tensor:
@@ -148,14 +161,14 @@ def _scatter_grad(g: torch.Tensor, group: str, size: int, dtype) -> torch.Tensor
 
 class _GatherParam(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, shard, group, size, full, dtype):
+    def forward(ctx, shard, group, size, full, dtype, pending):
         ctx.args = (group, size, shard.dtype)
-        return _gather_weight(shard, group, size, full, dtype)
+        return _gather_weight(shard, group, size, full, dtype, pending)
 
     @staticmethod
     def backward(ctx, g):
         group, size, dtype = ctx.args
-        return _scatter_grad(g, group, size, dtype), None, None, None, None
+        return _scatter_grad(g, group, size, dtype), None, None, None, None, None
 
 
 class _ShardedLinear(torch.autograd.Function):
@@ -163,10 +176,10 @@ class _ShardedLinear(torch.autograd.Function):
     shard is kept for backward (ZeRO-3's reshard after forward)."""
 
     @staticmethod
-    def forward(ctx, x, shard, group, size, full, dtype):
+    def forward(ctx, x, shard, group, size, full, dtype, pending):
         ctx.args = (group, size, full, dtype, shard.dtype)
         ctx.save_for_backward(x, shard)
-        return F.linear(x, _gather_weight(shard, group, size, full, dtype))
+        return F.linear(x, _gather_weight(shard, group, size, full, dtype, pending))
 
     @staticmethod
     def backward(ctx, g):
@@ -175,7 +188,7 @@ class _ShardedLinear(torch.autograd.Function):
         w = _gather_weight(shard, group, size, full, dtype)
         gx = g @ w
         gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        return gx, _scatter_grad(gw, group, size, stored), None, None, None, None
+        return gx, _scatter_grad(gw, group, size, stored), None, None, None, None, None
 
 
 def _interleaved(fn, x: torch.Tensor, dim: int, interleave: int, *args):
@@ -189,6 +202,13 @@ def _interleaved(fn, x: torch.Tensor, dim: int, interleave: int, *args):
 def copy_to(x: torch.Tensor, group: str) -> torch.Tensor:
     """Identity forward, all-reduce of the gradient backward (Megatron's f)."""
     return _CopyTo.apply(x, group)
+
+
+def all_reduce_mean_(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
+    """``x`` replaced by its mean over the group, in place (no autograd: the runtime's gradient sync,
+    where a new buffer per step would be one more gradient-sized tensor at the step's peak)."""
+    _ops.wait_tensor(_ops.all_reduce_(x, "sum", group))
+    return x.div_(size)
 
 
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
@@ -216,23 +236,32 @@ def split(x: torch.Tensor, dim: int, group: str, size: int, rank: int, interleav
     return _interleaved(lambda t, d: _Split.apply(t, d, group, size, rank), x, dim, interleave)
 
 
+def prefetch_gather(shard: torch.Tensor, group: str, size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Launch the all-gather of a parameter's dp shards (at ``dtype``) and return it in flight, not
+    waited: handed as ``pending`` to the ``gather_param`` or ``sharded_linear`` that needs the weight,
+    which waits on it there (FSDP's forward prefetch). It carries no gradient; theirs reaches the shard."""
+    return _launch_gather(shard, group, size, dtype)
+
+
 def gather_param(shard: torch.Tensor, group: str, size: int, full: int,
-                 dtype: torch.dtype | None = None) -> torch.Tensor:
+                 dtype: torch.dtype | None = None, pending: torch.Tensor | None = None) -> torch.Tensor:
     """A parameter from its dp shards (dim 0, ``full`` rows in all), at ``dtype`` (the compute dtype;
-    None: the shard's own): FSDP's unshard. Backward reduce-scatters the gradient at the shard's
+    None: the shard's own): FSDP's unshard, waiting on ``pending`` (``prefetch_gather`` of this
+    shard) when given, else gathering now. Backward reduce-scatters the gradient at the shard's
     dtype (fp32 for fp32 master weights) and averages it over the group: the shard's dp-mean gradient."""
-    return _GatherParam.apply(shard, group, size, full, dtype)
+    return _GatherParam.apply(shard, group, size, full, dtype, pending)
 
 
 def sharded_linear(x: torch.Tensor, shard: torch.Tensor, group: str, size: int, full: int,
-                   dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``F.linear(x, w)`` for a weight ``w`` held as dp shards: gathered for the forward, gathered
-    again for the backward instead of kept (FSDP's reshard after forward), its gradient
-    reduce-scattered and averaged as ``gather_param``'s."""
-    return _ShardedLinear.apply(x, shard, group, size, full, dtype)
+                   dtype: torch.dtype | None = None, pending: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w)`` for a weight ``w`` held as dp shards: gathered for the forward (waiting on
+    ``pending``, as ``gather_param``), gathered again for the backward instead of kept (FSDP's
+    reshard after forward), its gradient reduce-scattered and averaged as ``gather_param``'s."""
+    return _ShardedLinear.apply(x, shard, group, size, full, dtype, pending)
 
 
-COLLECTIVE_FUNCTIONS = (copy_to, all_reduce, all_gather, reduce_scatter, split, gather_param, sharded_linear)
+COLLECTIVE_FUNCTIONS = (copy_to, all_reduce, all_gather, reduce_scatter, split, prefetch_gather, gather_param,
+                        sharded_linear)
 
 
 

@@ -170,13 +170,16 @@ def spawn(fn, world_size, *args, backend="gloo", timeout=300.0, env=None) -> lis
     try:
         for rank in range(world_size):
             parent_conn, child_conn = ctx.Pipe()
+            rank_env = {**common_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             proc = ctx.Process(
                 target=_run_rank,
-                args=(child_conn, fn, rank, world_size, args, backend, collective_timeout),
+                args=(child_conn, fn, rank, world_size, args, backend, collective_timeout, rank_env),
                 name=f"autopar-rank{rank}",
             )
-            # A spawned child copies the parent's environment when it starts, before it imports torch.
-            with _environ({**common_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}):
+            # A spawned child copies the parent's environment when it starts, before it imports torch;
+            # the rank sets its own again first thing, in case another thread of this process changed
+            # the environment in the meantime (one that is not spawning: a test's monkeypatch)
+            with _environ(rank_env):
                 proc.start()
             child_conn.close()
             procs.append(proc)
@@ -193,8 +196,9 @@ def spawn(fn, world_size, *args, backend="gloo", timeout=300.0, env=None) -> lis
             conn.close()
 
 
-def _run_rank(conn, fn, rank, world_size, args, backend, collective_timeout):
+def _run_rank(conn, fn, rank, world_size, args, backend, collective_timeout, env):
     """Body of one spawned rank: init the process group, run fn, send ("ok", value) or ("error", time, traceback)."""
+    os.environ.update(env)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)

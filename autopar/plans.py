@@ -17,6 +17,9 @@ from autopar.errors import PlanFormatError
 
 PLAN_VERSION = 1
 
+# what ``offload`` may say: "optimizer" steps AdamW on the host (``autopar.runtime.offload``)
+OFFLOADS = ("none", "optimizer")
+
 PRECISION_NOTES = {"fp32": "fp32",
                    "bf16": "bf16 compute, fp32 master weights and reductions",
                    "fp16": "fp16 compute, fp32 master weights and reductions, dynamic loss scaling"}
@@ -80,6 +83,7 @@ class MemoryPlan:
     activations: float       # kept for backward, times the microbatches in flight there
     peak: float              # params + grads + optimizer + activations + transient
     transient: float = 0.0   # what the backward adds at its highest above the forward's end (arriving gradients included)
+    host: float = 0.0        # host memory: with optimizer offload the fp32 master and Adam's moments (not in peak)
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,7 @@ class Plan:
     recompute: str = "none"
     recompute_regions: tuple[tuple[str, ...], ...] = ()   # global node names recomputed together
     keep_gathered: tuple[str, ...] = ()   # zero=3: units whose weights stay gathered from forward to backward
+    offload: str = "none"           # "optimizer": fp32 master and AdamW state on the host, stepped by the CPU
     memory: tuple[MemoryPlan, ...] = ()
     precision: str = "fp32"         # compute dtype: "fp32", "bf16" or "fp16"; weights, grads, reductions stay fp32
     source: str = "auto"            # "auto", "megatron", or "edited from ..." once its choices were changed by hand
@@ -119,6 +124,11 @@ class Plan:
         if self.precision not in PRECISION_NOTES:
             raise PlanFormatError(f"plan.precision {self.precision!r}: expected "
                                   f"{', '.join(map(repr, PRECISION_NOTES))}")
+        if self.offload not in OFFLOADS:
+            raise PlanFormatError(f"plan.offload {self.offload!r}: expected {', '.join(map(repr, OFFLOADS))}")
+        why = offload_limit(self.offload, self.precision, self.zero, self.mesh, self.microbatches)
+        if why:
+            raise PlanFormatError(f"plan.offload: {why}")
 
     @property
     def predicted_step_time(self) -> float:
@@ -200,8 +210,8 @@ class Plan:
         strategies, collectives (count and bytes per place), stages, memory, predicted time.
         Returns "no differences" when the two plans decide the same things."""
         out: list[str] = []
-        for f in ("mesh", "input_shapes", "sequence_parallel", "zero", "keep_gathered", "microbatches", "schedule",
-                  "virtual_stages", "recompute", "precision", "device"):
+        for f in ("mesh", "input_shapes", "sequence_parallel", "zero", "keep_gathered", "offload", "microbatches",
+                  "schedule", "virtual_stages", "recompute", "precision", "device"):
             a, b = getattr(self, f), getattr(other, f)
             if a != b:
                 out.append(f"{f}: {a} -> {b}")
@@ -241,7 +251,8 @@ class Plan:
         lines = [f"autopar plan ({self.source}) for mesh dp={dp} pp={pp} tp={tp} on {self.device}",
                  f"  microbatch input shapes {list(map(list, self.input_shapes))}, microbatches "
                  f"{self.microbatches}, sequence parallel {'on' if self.sequence_parallel else 'off'}, "
-                 f"ZeRO-{self.zero}{_kept_gathered(self.keep_gathered)}, precision {PRECISION_NOTES[self.precision]}",
+                 f"ZeRO-{self.zero}{_kept_gathered(self.keep_gathered)}{_offloaded(self.offload)}, "
+                 f"precision {PRECISION_NOTES[self.precision]}",
                  "  placements: R replicated, P partial sum, S(d) sharded on dim d, "
                  "S(d)ik interleaved: dim d is k blocks (fused q,k,v) and each rank holds its slice of each",
                  "", "Parameters (placement per axis, local shape):"]
@@ -268,7 +279,8 @@ class Plan:
                 lines.append(f"  stage {mem.stage}: params {mem.params / 2**30:.3f}  grads {grads}  "
                              f"optimizer {mem.optimizer / 2**30:.3f}  activations {mem.activations / 2**30:.3f}  "
                              f"backward above forward {mem.transient / 2**30:.3f}  "
-                             f"peak {mem.peak / 2**30:.3f}")
+                             f"peak {mem.peak / 2**30:.3f}"
+                             + (f"  host (offloaded master and optimizer) {mem.host / 2**30:.3f}" if mem.host else ""))
         if self.memory and self.microbatches == 1:
             lines.append("  grads (in backward): with one microbatch no gradient outlives the backward; each "
                          "arrives during it and is counted in 'backward above forward'")
@@ -297,6 +309,32 @@ def _axis_order(*placements: dict) -> list[str]:
 def edited_source(source: str) -> str:
     """The ``source`` of a plan whose choices were changed by hand from a plan of ``source``."""
     return source if source.startswith("edited from ") else f"edited from {source}"
+
+
+def _offloaded(offload: str) -> str:
+    return ", optimizer offloaded to the host (fp32 master and AdamW state in host memory)" if offload != "none" else ""
+
+
+def offload_limit(offload: str, precision: str, zero: int, mesh, microbatches: int) -> str | None:
+    """Why ``offload`` cannot run with these choices (a sentence naming the fix), None when it can.
+
+    At 16 bits the device keeps only 16-bit weights, whose gradients autograd leaves at 16 bits:
+    that holds the sums to fp32 for bf16 with one forward and backward per step whose gradient sums run in fp32
+    (ZeRO-0's all-reduce), but microbatches would add up in 16 bits, ZeRO-1/2/3 reduce at the
+    weights' dtype, and fp16's loss scale would be divided out at 16 bits; so there offload runs
+    at fp32 only."""
+    if offload == "none" or precision == "fp32":
+        return None
+    if precision == "fp16":
+        return (f"offload={offload!r} with precision='fp16' would unscale the loss-scaled gradients at 16 bits; "
+                "use precision='bf16' (no loss scaling) or 'fp32'")
+    why = [what for what, bad in ((f"zero={zero}", zero == 1 or (zero and mesh[0] > 1)), (f"pp={mesh[1]}", mesh[1] > 1),
+                                  (f"{microbatches} microbatches", microbatches > 1)) if bad]
+    if not why:
+        return None
+    return (f"offload={offload!r} with precision={precision!r} needs one forward and backward per step on one stage "
+            f"without ZeRO (the 16-bit gradients would be summed in 16 bits); this plan has {', '.join(why)}: "
+            "use zero=0, pp=1 and one microbatch, or precision='fp32'")
 
 
 def _kept_gathered(units: tuple[str, ...]) -> str:

@@ -20,6 +20,11 @@ What is measured, on CUDA when it is available, else on the CPU:
 - The optimizer: one fused AdamW step (foreach on the CPU) over many fp32 tensors; its 7 reads
   and writes per parameter over the median time is ``optimizer_bandwidth``.
 - Memory bandwidth: a copy of a large buffer, read + write bytes over the median time.
+- For optimizer offload: ``host_bandwidth``, the slower direction of a copy between pinned host
+  memory and the GPU (each way timed with CUDA events; on the CPU, where host and device are one,
+  a memory copy's bytes over its time), and ``host_adam_rate``, fp32 parameters per second of one
+  CPU AdamW step (fused where this torch build has the CPU kernel, else foreach) over 1e8
+  parameters on a GPU host, 3.4e7 on a CPU-only one (a quarter of that with ``quick``).
 - Kernel launch overhead: a run of tiny in-place adds, time per op. The cost model uses it as
   the floor of any op's time.
 - Collectives, when a process group of several ranks exists (``torchrun``, or
@@ -297,6 +302,28 @@ def measure_bandwidth(device: str, nbytes: int, *, min_time: float = 0.1) -> flo
     return 2 * nbytes / t
 
 
+def measure_host_copies(nbytes: int, *, min_time: float = 0.1) -> tuple[float, float]:
+    """(host -> GPU, GPU -> host) bytes/s of a copy of ``nbytes`` between pinned host memory and the GPU."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    to_gpu = time_op(lambda: gpu.copy_(host, non_blocking=True), "cuda", warmup=2, min_time=min_time)
+    to_host = time_op(lambda: host.copy_(gpu, non_blocking=True), "cuda", warmup=2, min_time=min_time)
+    return nbytes / to_gpu, nbytes / to_host
+
+
+def measure_host_adam(numel: int, *, min_time: float = 0.1) -> tuple[float, str]:
+    """fp32 parameters per second of one CPU AdamW step over ``numel`` of them in 64 tensors, and
+    the implementation torch ran ("fused" where it has the CPU kernel, else "foreach")."""
+    params = [torch.randn(numel // 64, requires_grad=True) for _ in range(64)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    try:
+        opt, kind = torch.optim.AdamW(params, lr=1e-4, fused=True), "fused"
+    except RuntimeError:   # no fused CPU kernel in this torch build
+        opt, kind = torch.optim.AdamW(params, lr=1e-4, foreach=True), "foreach"
+    return (numel // 64) * 64 / time_op(opt.step, "cpu", warmup=1, min_time=min_time), kind
+
+
 def measure_launch_overhead(device: str, ops: int = 200, *, min_time: float = 0.1) -> float:
     """Seconds per op of ``ops`` back-to-back tiny in-place adds: the shortest time an op takes."""
     x = torch.zeros(1, device=device)
@@ -432,6 +459,13 @@ def calibrate(*, quick: bool = False, base: str | DeviceSpec | None = None, name
     # large enough that the step's Python overhead does not count
     optimizer = measure_optimizer_bandwidth(device, 2**28 if gpu else 2**21, min_time=min_time)
     log(f"  AdamW update: {optimizer / 1e9:.1f} GB/s of parameter and state traffic")
+    if gpu:
+        host_copy = measure_host_copies(2**28 if quick else 2**30, min_time=min_time)
+    else:   # the host is the device: a copy moves half the bytes measure_bandwidth counts (read + write)
+        host_copy = (bandwidth / 2, bandwidth / 2)
+    host_adam, host_adam_kind = measure_host_adam((2**27 if gpu else 2**25) // (4 if quick else 1), min_time=min_time)
+    log(f"  offload: pinned copies {host_copy[0] / 1e9:.1f} GB/s to the device, {host_copy[1] / 1e9:.1f} GB/s back; "
+        f"CPU AdamW ({host_adam_kind}) {host_adam / 1e9:.2f}e9 parameters/s")
 
     best = {d: max(s.flops_per_s for s in table if s.dtype == d) for d in {s.dtype for s in table}}
     peaks = dict(base_spec.peak_flops)
@@ -459,6 +493,7 @@ def calibrate(*, quick: bool = False, base: str | DeviceSpec | None = None, name
                    peak_flops=peaks, matmul_efficiency=efficiency, mem_bandwidth=bandwidth,
                    memory_bytes=torch.cuda.get_device_properties(0).total_memory if gpu else _host_memory(),
                    launch_overhead=launch, fused_bandwidth=fused, optimizer_bandwidth=optimizer,
+                   host_bandwidth=min(host_copy), host_adam_rate=host_adam,
                    matmul_table=tuple(table), attention_table=tuple(attention),
                    gpus_per_node=per_node)
     record = {
@@ -469,6 +504,8 @@ def calibrate(*, quick: bool = False, base: str | DeviceSpec | None = None, name
         "quick": quick,
         "base": base_spec.name,
         "copy_bytes": copy_bytes,
+        "host_copy_bytes_per_s": {"to_device": host_copy[0], "to_host": host_copy[1]},
+        "host_adam": host_adam_kind,
         "world_size": world,
         "mesh": list(mesh) if world > 1 else None,
         "collectives": network,
@@ -523,6 +560,9 @@ def summary(spec: DeviceSpec) -> str:
     if spec.fused_bandwidth or spec.optimizer_bandwidth:
         lines.append(f"  memory-bound ops (Inductor) {spec.fused_bandwidth / 1e9:.1f} GB/s, AdamW "
                      f"{spec.optimizer_bandwidth / 1e9:.1f} GB/s (0: copy bandwidth)")
+    if spec.host_bandwidth or spec.host_adam_rate:
+        lines.append(f"  offload: host copies {spec.host_bandwidth / 1e9:.1f} GB/s each way, CPU AdamW "
+                     f"{spec.host_adam_rate / 1e9:.2f}e9 parameters/s")
     lines.append(f"  memory bandwidth {spec.mem_bandwidth / 1e9:.1f} GB/s, launch overhead "
                  f"{spec.launch_overhead * 1e6:.2f} us, matmul efficiency {spec.matmul_efficiency:.2f}")
     for f in spec.collective_fits:

@@ -261,14 +261,38 @@ ADAMW_TRAFFIC = 7.0
 WORKING_COPY_TRAFFIC = 3.0
 
 
-def update_time(param_bytes: float, dev: DeviceSpec, *, working_copy: bool, optimizer_shards: int = 1) -> float:
+def update_time(param_bytes: float, dev: DeviceSpec, *, working_copy: bool, optimizer_shards: int = 1,
+                offload: bool = False) -> float:
     """Seconds a rank spends per step on its weights outside the forward and backward ops: the
     AdamW update of its ``param_bytes`` of fp32 parameters (of 1/``optimizer_shards`` of them
     under ZeRO-1), at ``optimizer_bandwidth``, and with ``working_copy`` the casts to and from a
-    16-bit copy, at ``op_bandwidth`` (they run inside the compiled graph)."""
-    optimizer = ADAMW_TRAFFIC * param_bytes / optimizer_shards / (dev.optimizer_bandwidth or dev.mem_bandwidth)
+    16-bit copy, at ``op_bandwidth`` (they run inside the compiled graph).
+
+    With ``offload`` the update runs on the host (``offload_update_time``): the casts stay (on the
+    device: a 16-bit gradient up to fp32 for the copy out, the fp32 weight down to the 16-bit
+    parameter after the copy in), the device's AdamW does not."""
     casts = WORKING_COPY_TRAFFIC * param_bytes / dev.op_bandwidth if working_copy else 0.0
+    if offload:
+        return offload_update_time(param_bytes / 4 / optimizer_shards, dev) + casts
+    optimizer = ADAMW_TRAFFIC * param_bytes / optimizer_shards / (dev.optimizer_bandwidth or dev.mem_bandwidth)
     return optimizer + casts
+
+
+def offload_update_time(params: float, dev: DeviceSpec) -> float:
+    """Seconds of an offloaded AdamW step over ``params`` fp32 parameters (ZeRO-Offload's):
+
+        4 * params / host_bandwidth     the fp32 gradients copied out, after backward
+      + params / host_adam_rate         the CPU's AdamW over the fp32 masters
+      + 4 * params / host_bandwidth     the updated fp32 weights copied back in
+
+    None of it is counted as overlapped: the runtime copies a gradient out once the step's
+    backward (one compiled autograd node, whose gradients all land at its end) and its dp sum
+    are done. Raises ValueError when the device profile does not say how fast its host is."""
+    if not dev.host_bandwidth or not dev.host_adam_rate:
+        raise ValueError(f"device {dev.name!r} has no host_bandwidth / host_adam_rate, which optimizer offload "
+                         "is priced with: measure them with `python -m autopar calibrate --out dev.json`, or add "
+                         "them to the profile (bytes/s of pinned copies each way; fp32 parameters/s of CPU AdamW)")
+    return 2 * 4.0 * params / dev.host_bandwidth + params / dev.host_adam_rate
 
 
 def matmul_rate(flops, dev: DeviceSpec, dtype: torch.dtype | str):

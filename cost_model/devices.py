@@ -20,6 +20,10 @@ A profile may carry what was measured, and the cost model then prices with it:
   bytes as the cost model does (``cost_model.strategy.op_traffic``); the HBM copy bandwidth when 0.
 - ``optimizer_bandwidth``: bytes/s of the fused AdamW update (7 fp32 reads and writes per
   parameter, ``cost_model.compute.update_time``); the HBM copy bandwidth when 0.
+- ``host_bandwidth``: bytes/s of a copy between pinned host memory and the device, each way
+  (what optimizer offload moves gradients out and weights back in at); 0 when unknown.
+- ``host_adam_rate``: fp32 parameters per second the host's CPU AdamW updates (fused where
+  torch has it on the CPU, else foreach), for optimizer offload; 0 when unknown.
 - ``collective_fits``: alpha-beta fits per collective kind and network tier, used instead of
   the tier's ``*_node_bw`` / ``*_node_latency`` for that kind (``collective_params``).
 
@@ -136,6 +140,8 @@ class DeviceSpec:
     launch_overhead: float = 0.0
     fused_bandwidth: float = 0.0
     optimizer_bandwidth: float = 0.0
+    host_bandwidth: float = 0.0
+    host_adam_rate: float = 0.0
     matmul_table: tuple[MatmulSample, ...] = ()
     attention_table: tuple[AttentionSample, ...] = ()
     collective_fits: tuple[CollectiveFit, ...] = ()
@@ -272,8 +278,9 @@ def _freeze(v: Any) -> Any:
 
 _FLOAT_FIELDS = ("mem_bandwidth", "intra_node_bw", "inter_node_bw", "intra_node_latency",
                  "inter_node_latency", "matmul_efficiency", "launch_overhead", "fused_bandwidth",
-                 "optimizer_bandwidth")
-_OPTIONAL = ("gpus_per_node", "launch_overhead", "fused_bandwidth", "optimizer_bandwidth", "matmul_table",
+                 "optimizer_bandwidth", "host_bandwidth", "host_adam_rate")
+_OPTIONAL = ("gpus_per_node", "launch_overhead", "fused_bandwidth", "optimizer_bandwidth", "host_bandwidth",
+             "host_adam_rate", "matmul_table",
              "attention_table", "collective_fits")
 _INT_FIELDS = ("memory_bytes", "gpus_per_node")
 
@@ -371,7 +378,7 @@ def _validate(spec: DeviceSpec) -> None:
     if not (_is_num(spec.matmul_efficiency) and 0 < spec.matmul_efficiency <= 1):
         raise ValueError(f"device {spec.name!r}: field 'matmul_efficiency' must be in (0, 1], "
                          f"got {spec.matmul_efficiency!r}")
-    for k in ("launch_overhead", "fused_bandwidth", "optimizer_bandwidth"):
+    for k in ("launch_overhead", "fused_bandwidth", "optimizer_bandwidth", "host_bandwidth", "host_adam_rate"):
         v = getattr(spec, k)
         if not (_is_num(v) and v >= 0):
             raise ValueError(f"device {spec.name!r}: field {k!r} must be >= 0, got {v!r}")
@@ -424,6 +431,13 @@ def _curves(samples) -> dict[Any, tuple[tuple[float, ...], tuple[float, ...]]]:
             for k, pts in by_key.items()}
 
 
+# Optimizer offload on an H100/H200 host (PCIe Gen5 x16 to each GPU: 64 GB/s raw per direction,
+# of which pinned copies reach about 53 GB/s each way), and torch's fused CPU AdamW taking about
+# 0.23 s per 1e9 fp32 parameters on 16 cores (~4.3e9 parameters/s): the figures given for the
+# lent H200's host, not measured in this repository; `python -m autopar calibrate` measures both.
+HOPPER_HOST_BANDWIDTH = 53e9
+HOPPER_HOST_ADAM_RATE = 4.3e9
+
 # Presets. Peak numbers are dense (no 2:4 sparsity) from NVIDIA's public data sheets; latencies
 # and matmul efficiencies are estimates meant to be replaced by `python -m autopar calibrate`.
 DEVICES: dict[str, DeviceSpec] = {
@@ -440,6 +454,8 @@ DEVICES: dict[str, DeviceSpec] = {
         intra_node_latency=3e-6,
         inter_node_latency=8e-6,
         matmul_efficiency=0.80,
+        host_bandwidth=HOPPER_HOST_BANDWIDTH,
+        host_adam_rate=HOPPER_HOST_ADAM_RATE,
     ),
     # H200 SXM data sheet: same tensor-core peaks as H100 SXM, 141 GB HBM3e at 4.8 TB/s,
     # NVLink 900 GB/s bidirectional. Efficiency: a bf16 8192^3 matmul measured 816 of 989
@@ -454,6 +470,8 @@ DEVICES: dict[str, DeviceSpec] = {
         intra_node_latency=3e-6,
         inter_node_latency=8e-6,
         matmul_efficiency=0.82,
+        host_bandwidth=HOPPER_HOST_BANDWIDTH,
+        host_adam_rate=HOPPER_HOST_ADAM_RATE,
     ),
     # A100 80GB SXM data sheet: FP32 19.5 TF, TF32 156 TF, BF16/FP16 312 TF (dense),
     # HBM2e at 2,039 GB/s, NVLink 3 at 600 GB/s bidirectional (300 GB/s per direction).
@@ -468,6 +486,10 @@ DEVICES: dict[str, DeviceSpec] = {
         intra_node_latency=4e-6,
         inter_node_latency=10e-6,
         matmul_efficiency=0.80,
+        # PCIe 4.0 x16 (DGX A100): 31.5 GB/s raw per direction; pinned copies reach about 25 GB/s.
+        # The host rate is an estimate (about half the Hopper hosts' per-core figure below).
+        host_bandwidth=25e9,
+        host_adam_rate=2e9,
     ),
     # A modest multi-core CPU running gloo ranks on one host: both network tiers are loopback
     # TCP, so they share one bandwidth and latency. Rough figures, not a data sheet: without
@@ -482,6 +504,10 @@ DEVICES: dict[str, DeviceSpec] = {
         intra_node_latency=5e-5,
         inter_node_latency=5e-5,
         matmul_efficiency=0.7,
+        # the "device" is the host: an offload copy is a memory copy (half of mem_bandwidth's
+        # read + write), and CPU AdamW runs on the same few cores as everything else
+        host_bandwidth=1e10,
+        host_adam_rate=2e8,
     ),
 }
 

@@ -314,7 +314,8 @@ def compiled_kept(nodes, strategies: dict, size: int, recompute=()) -> dict:
     return kept
 
 
-def backward_excess(nodes, kept: dict, strategies: dict, size: int, grads: dict, grads_held: bool) -> list:
+def backward_excess(nodes, kept: dict, strategies: dict, size: int, grads: dict, grads_held: bool,
+                    whole_weights: bool = True) -> list:
     """[(node, bytes)]: for each op that allocates in its backward, how far the memory then exceeds
     the forward's end (all of ``kept`` alive), walking the backward from the last op to the first.
 
@@ -326,7 +327,15 @@ def backward_excess(nodes, kept: dict, strategies: dict, size: int, grads: dict,
     On top, an op that runs a library kernel (matmul, attention: it has FLOPs) holds its output's
     gradient and writes its inputs' (``backward_transient``) and its weights' at its own dtype;
     Inductor writes the gradients of memory-bound ops into buffers their dying inputs free, so
-    those add nothing. The excess is alive(t) + new gradients + transient(t) - sum(kept)."""
+    those add nothing. The excess is alive(t) + new gradients + held(t) + transient(t) - sum(kept).
+
+    held(t): a weight that several ops use (a tied embedding and head) has one gradient, the sum
+    of theirs, when it enters the graph whole (``whole_weights``; ZeRO-2/3 gather such a weight
+    once for all its users, ``passes.zero``, so it enters whole there too). Inductor folds the later users' weight-gradient matmuls into that sum
+    (an addmm where the backward reaches the first user), so each such matmul's operands, its
+    output's gradient and the input it kept, stay alive from its own backward to the first
+    user's, and the summed gradient arrives there (seen in the compiled backward on CPU and on an
+    H200: a tied head keeps the logits' gradient through the whole backward)."""
     index = {n: i for i, n in enumerate(nodes)}
     total = sum(kept.values())
     before = [0.0] * (len(nodes) + 1)   # before[t]: kept bytes produced before op t (graph inputs: -1)
@@ -336,13 +345,25 @@ def backward_excess(nodes, kept: dict, strategies: dict, size: int, grads: dict,
         if k[1] in ("mask", "stats", "lse"):
             own[k[0]] = own.get(k[0], 0.0) + b
     before = list(accumulate(before))
-    after = [0.0] * (len(nodes) + 1)    # after[t]: gradients whose last user is op t or later
-    if not grads_held:
-        for p, b in grads.items():
-            users = [index[u] for u in p.users if u in index]
-            if users:
-                after[max(users)] += b
-        after = list(accumulate(after[::-1]))[::-1]
+    after = [0.0] * (len(nodes) + 1)    # after[t]: gradients that exist once op t's backward has run
+    held = [0.0] * len(nodes)           # held[t]: deferred weight-gradient operands alive at op t
+    for p, b in grads.items():
+        users = sorted({index[u] for u in p.users if u in index})
+        if not users:
+            continue
+        summed = whole_weights and len(users) > 1
+        if not grads_held:
+            after[users[0] if summed else users[-1]] += b
+        for u in users[1:] if summed else ():
+            user = nodes[u]
+            if node_flops(user) == (0.0, 0.0):
+                continue
+            val = user.meta["val"]
+            grad_out = _bytes(local_shape(tuple(val.shape), strategies[user].output, size), val.dtype)
+            inputs = [(index.get(k[0], -1), kept[k]) for k, _ in saved_tensors(user, strategies, size) if k in kept]
+            for t in range(users[0] + 1, u):
+                held[t] += grad_out + sum(nbytes for at, nbytes in inputs if at >= t)
+    after = list(accumulate(after[::-1]))[::-1]
     out = []
     for n in nodes:
         t = index[n]
@@ -353,19 +374,25 @@ def backward_excess(nodes, kept: dict, strategies: dict, size: int, grads: dict,
         # a 16-bit weight gradient is a buffer of its own until it is cast into the fp32 gradient
         weights = (sum(grads[a] * dtype.itemsize / 4 for a in n.all_input_nodes if a in grads)
                    if dtype is not None and dtype.itemsize < 4 else 0.0)
-        out.append((n, alive + arrived + backward_transient(n, strategies, size) + weights - total))
+        out.append((n, alive + arrived + held[t] + backward_transient(n, strategies, size) + weights - total))
     return out
 
 
-def param_state(cap, strategies, fqns, tp: int, dp: int, zero: int, working_copy: float):
+def param_state(cap, strategies, fqns, tp: int, dp: int, zero: int, working_copy: float, offload: bool = False):
     """(parameter bytes with a 16-bit step's working copy, gradient bytes, optimizer bytes) one
-    rank holds of the parameters ``fqns``: their local shards under ``strategies``, Adam's two
-    fp32 moments sharded over dp from ZeRO-1 on; ``working_copy`` as
-    ``autopar.passes.precision.working_copy_ratio``.
+    rank holds on its device of the parameters ``fqns``: their local shards under ``strategies``,
+    Adam's two fp32 moments sharded over dp from ZeRO-1 on (ZeRO-1 also keeps the 1/dp slice of
+    the weights it steps as a flat fp32 copy, ``autopar.runtime.zero.Zero1.shard``); ``working_copy``
+    as ``autopar.passes.precision.working_copy_ratio``.
 
     ZeRO-2 and 3 hold 1/dp of the weights and gradients too, and the gathered weights at the
     compute dtype on top: ZeRO-2 every unit's, from its forward to its backward; ZeRO-3 two units'
-    at a time (the one computing and the next, being gathered), the largest two."""
+    at a time (the one computing and the next, being gathered), the largest two.
+
+    With ``offload`` (the optimizer on the host, ``autopar.runtime.offload``) the moments and the
+    fp32 master live in host memory (three fp32 numbers per parameter the moments cover): the
+    device keeps no optimizer bytes, and at 16 bits its parameters and gradients are the 16-bit
+    working weights alone."""
     local = {}
     for fqn in fqns:
         node = cap.params[fqn]
@@ -373,15 +400,44 @@ def param_state(cap, strategies, fqns, tp: int, dp: int, zero: int, working_copy
         local[fqn] = float(np.prod(local_shape(tuple(v.shape), strategies[node].output, tp))) * v.element_size()
     params = sum(local.values())
     if zero >= 2 and dp > 1:
-        gathered = params if zero == 2 else sum(sorted(unit_param_bytes(cap, local).values())[-2:])
-        return params / dp + gathered * (working_copy or 1.0), params / dp, 2 * params / dp
+        if zero == 2:
+            gathered = params
+        else:   # a weight several units use is gathered once and kept to the last backward (passes.zero)
+            shared = shared_params(cap, local)
+            gathered = (sum(sorted(unit_param_bytes(cap, {f: b for f, b in local.items() if f not in shared}).values())[-2:])
+                        + sum(local[f] for f in shared))
+        return params / dp + gathered * (working_copy or 1.0), params / dp, 0.0 if offload else 2 * params / dp
+    if offload:
+        held = params * (working_copy or 1.0)
+        return held, held, 0.0
     optimizer = 2 * params / (dp if zero else 1)   # Adam's two moments, fp32 like the weights here
-    return params * (1 + working_copy), params, optimizer
+    stepped = params / dp if zero == 1 else 0.0   # ZeRO-1's flat copy of the slice its optimizer steps
+    return params * (1 + working_copy) + stepped, params, optimizer
+
+
+def host_state(cap, strategies, mesh, nodes, zero: int) -> float:
+    """Host bytes of one stage's offloaded optimizer (``autopar.runtime.offload``): the fp32 master
+    beside Adam's two fp32 moments of what this rank steps, half the moments' bytes again."""
+    members = set(nodes)
+    fqns = [f for f, p in cap.params.items() if any(u in members for u in p.users)]
+    return 1.5 * param_state(cap, strategies, fqns, mesh.tp, mesh.dp, zero, 0.0)[2]
+
+
+def shared_params(cap, local) -> set[str]:
+    """The FQNs of ``local`` that several layer units use (a tied embedding): ZeRO-2/3 gather those
+    once, before the first of the units, and keep them gathered to the last one's backward."""
+    uses = {}
+    for u in zero_units(cap):
+        members = set(u.nodes)
+        for f in local:
+            if any(user in members for user in cap.params[f].users):
+                uses[f] = uses.get(f, 0) + 1
+    return {f for f, n in uses.items() if n > 1}
 
 
 def unit_param_bytes(cap, local: dict[str, float]) -> dict[str, float]:
-    """Bytes of ``local`` (FQN -> bytes) per layer unit that uses them (a weight two units use, such
-    as a tied embedding, counts in both: ZeRO-3 gathers it for each)."""
+    """Bytes of ``local`` (FQN -> bytes) per layer unit that uses them (a weight two units use
+    counts in both)."""
     out = {}
     for u in zero_units(cap):
         members = set(u.nodes)
@@ -391,16 +447,18 @@ def unit_param_bytes(cap, local: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def stage_terms(cap, strategies, mesh, nodes, regions, *, zero: int, microbatches: int, working_copy: float):
+def stage_terms(cap, strategies, mesh, nodes, regions, *, zero: int, microbatches: int, working_copy: float,
+                offload: bool = False):
     """(params, gradients held through the forward, optimizer, one microbatch's activations,
     [(node, backward excess)]) of one stage's ``nodes`` with ``regions`` recomputed: the terms
-    of its peak (``autopar.planner.recompute.memory_breakdown``)."""
+    of its peak (``autopar.planner.recompute.memory_breakdown``); ``offload`` as ``param_state``."""
     held = microbatches > 1   # gradients accumulate over the step's microbatches
     members = set(nodes)
     fqns = [f for f, p in cap.params.items() if any(u in members for u in p.users)]
-    params, grads, opt = param_state(cap, strategies, fqns, mesh.tp, mesh.dp, zero, working_copy)
+    params, grads, opt = param_state(cap, strategies, fqns, mesh.tp, mesh.dp, zero, working_copy, offload)
     mine = [r for r in regions if r and r[0] in members]
     kept = compiled_kept(nodes, strategies, mesh.tp, mine)
-    per_param = {cap.params[f]: param_state(cap, strategies, [f], mesh.tp, mesh.dp, zero, working_copy)[1] for f in fqns}
+    per_param = {cap.params[f]: param_state(cap, strategies, [f], mesh.tp, mesh.dp, zero, working_copy, offload)[1]
+                 for f in fqns}
     excess = backward_excess(nodes, kept, strategies, mesh.tp, per_param, held)
     return params, grads if held else 0.0, opt, sum(kept.values()), excess

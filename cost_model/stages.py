@@ -77,7 +77,9 @@ def state_bytes_per_param_byte(mesh, zero: int, working_copy: float = 0.0) -> fl
     stage's, not a unit's (``memory.param_state``)."""
     if zero >= 2 and mesh.dp > 1:
         return 4.0 / mesh.dp
-    return 2.0 + working_copy + (2.0 / mesh.dp if zero else 2.0)
+    if zero == 1:   # the moments and the flat copy of the slice they step (``memory.param_state``)
+        return 2.0 + working_copy + 3.0 / mesh.dp
+    return 4.0 + working_copy
 
 
 def unit_costs(cap, strategies: dict, units, mesh, dev, *, zero: int, gpus_per_node: int, working_copy: float,

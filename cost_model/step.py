@@ -5,13 +5,18 @@
 ``compute`` is the ops' forward and backward over the step's microbatches; with pipeline stages it
 is the pipeline's makespan (``cost_model.stages.pipeline_time``: the tp collectives the units
 consume and the fill/drain bubble are inside it). The communication terms are the tp collectives
-between ops (pp = 1) and the dp gradient sync (``dp_sync_time``); ``update`` is the optimizer step
+between ops (pp = 1) and the dp gradient sync (``dp_sync_time``: with ZeRO-2/3 and the units'
+figures, only what prefetch leaves exposed, ``zero_exposed_time``); ``update`` is the optimizer step
 and 16-bit weight casts of the busiest rank (``compute.update_time``). Every search and report
 adds a step up with ``step_time``: the plan (``Plan.predicted_step_time``), the microbatch
 choice, the mesh ranking (through the plans it ranks) and the symbolic costs, whose terms are
 sympy expressions (the sum is plain arithmetic, so it takes them as it takes floats).
 """
 from __future__ import annotations
+
+import numpy as np
+
+from autopar.placement import local_shape
 
 from .comm import axis_is_inter_node, collective_time
 from .compute import update_time
@@ -45,16 +50,104 @@ def dp_sync_bytes(kind: str, param_bytes: float, zero: int, gathered: float) -> 
 
 
 def dp_sync_time(param_bytes: float, mesh, dev, zero: int, gpus_per_node: int, *, microbatches: int = 1,
-                 gathered: float = 1.0) -> float:
+                 gathered: float = 1.0, units=None) -> float:
     """Seconds of the dp collectives over one rank's ``param_bytes`` of weights (``dp_sync_kinds``),
-    one bucketed collective per kind, per step (ZeRO-0/1) or per microbatch (ZeRO-2/3). None of it
-    is counted as overlapped with compute."""
+    one bucketed collective per kind, per step (ZeRO-0/1) or per microbatch (ZeRO-2/3), none of it
+    overlapped with compute.
+
+    ``units``: (parameter bytes, forward+backward compute seconds) of each unit the rank runs, one
+    microbatch, in forward order. Given, ZeRO-2/3's collectives are priced per unit as the graph
+    issues them, and only the part that prefetch leaves exposed is counted (``zero_exposed_time``);
+    ZeRO-0/1's sync after the backward is priced as without them."""
     if mesh.dp == 1:
         return 0.0
+    if units is not None and zero >= 2:
+        unit_bytes, seconds = zip(*units) if units else ((), ())
+        return microbatches * zero_exposed_time(*unit_sync_times(unit_bytes, mesh, dev, zero, gpus_per_node,
+                                                                 gathered=gathered), seconds)
     inter = axis_is_inter_node(mesh.dp, mesh.pp * mesh.tp, gpus_per_node)
     times = microbatches if zero >= 2 else 1
     return times * sum(collective_time(k, dp_sync_bytes(k, param_bytes, zero, gathered), mesh.dp, dev, inter)
                        for _, k in dp_sync_kinds(zero))
+
+
+def unit_sync_times(unit_bytes, mesh, dev, zero: int, gpus_per_node: int, *, gathered: float = 1.0):
+    """Per unit (its parameter bytes in ``unit_bytes``), seconds of ZeRO-2/3's collectives for one
+    microbatch: the forward all-gather, the backward re-gather (ZeRO-3; 0 under ZeRO-2) and the
+    gradient reduce-scatter, each one collective per unit (``dp_sync_bytes``)."""
+    if zero < 2:
+        raise ValueError(f"zero={zero}: only ZeRO-2 and 3 gather and reduce-scatter per unit")
+    inter = axis_is_inter_node(mesh.dp, mesh.pp * mesh.tp, gpus_per_node)
+
+    def each(kind: str) -> list[float]:
+        return [collective_time(kind, dp_sync_bytes(kind, b, zero, gathered), mesh.dp, dev, inter) for b in unit_bytes]
+    gather = each("all_gather")
+    return gather, gather if zero >= 3 else [0.0] * len(gather), each("reduce_scatter")
+
+
+BACKWARD_SHARE = 2 / 3   # of a unit's compute: a matmul's backward is two matmuls of its forward's size
+
+
+def zero_exposed_time(gather, regather, scatter, unit_seconds, *, backward_prefetch: bool = False) -> float:
+    """Seconds of ZeRO-2/3's collectives (per unit, ``unit_sync_times``) that prefetch leaves
+    exposed in one microbatch on one rank, whose units compute ``unit_seconds`` (forward+backward,
+    forward order).
+
+    The graph issues unit k+1's all-gather before unit k computes (``passes.zero``). The backward
+    re-gathers and reduce-scatters each unit where its gradient needs them: exposed, unless
+    ``backward_prefetch`` (Inductor's reordering, ``autopar.overlap``), where FSDP-style it
+    re-gathers unit k-1 while unit k computes and reduce-scatters unit k+1's gradients then. With
+    one communication stream, forward and backward compute F_k and B_k, gathers G_k, re-gathers
+    H_k and reduce-scatters R_k (terms past either end are 0):
+
+        forward  = G_0 + sum_{k>=1} max(0, G_k - F_{k-1})
+        backward = sum_k (H_k + R_k)                                     (in place)
+        backward = H_{n-1} + sum_k max(0, H_{k-1} + R_{k+1} - B_k) + R_0   (backward_prefetch)
+
+    the first gather of each pass has no compute before it and the last reduce-scatter none after
+    it. B_k is ``BACKWARD_SHARE`` of the unit's compute, F_k the rest: an approximation (ops whose
+    backward is cheap, norms and elementwise, hide less in the backward than it assumes)."""
+    n = len(unit_seconds)
+    if not n:
+        return 0.0
+    fwd = [t * (1 - BACKWARD_SHARE) for t in unit_seconds]
+    bwd = [t * BACKWARD_SHARE for t in unit_seconds]
+
+    def at(xs, k):
+        return xs[k] if 0 <= k < n else 0.0
+    forward = gather[0] + sum(max(0.0, gather[k] - fwd[k - 1]) for k in range(1, n))
+    if not backward_prefetch:
+        return forward + sum(regather) + sum(scatter)
+    backward = regather[n - 1] + scatter[0] + sum(max(0.0, at(regather, k - 1) + at(scatter, k + 1) - bwd[k])
+                                                  for k in range(n))
+    return forward + backward
+
+
+def zero_unit_figures(strategies: dict, units, tp: int, dev, tp_inter: bool) -> list[tuple[float, float]]:
+    """``dp_sync_time``'s ``units`` without pipeline stages: per unit (anything with the ``nodes`` it
+    runs, ``passes.units.zero_units``), the local bytes of the parameters its ops use (a weight
+    several units use, a tied embedding, counts in the first: one gather serves them all) and its
+    ops' forward and backward seconds as ``flat_compute_time`` prices them, for one microbatch."""
+    out, seen = [], set()
+    for u in units:
+        params = dict.fromkeys(a for n in u.nodes for a in n.all_input_nodes
+                               if a.op == "placeholder" and a.meta.get("kind") == "param" and a not in seen)
+        seen.update(params)
+        nbytes = sum(float(np.prod(local_shape(tuple(p.meta["val"].shape), strategies[p].output, tp)))
+                     * p.meta["val"].element_size() for p in params)
+        seconds = sum(strategy_time(n, strategies[n], tp, dev, tp_inter, False) + OP_OVERHEAD for n in u.nodes)
+        out.append((nbytes, seconds))
+    return out
+
+
+def rank_unit_figures(time, static, bounds, mesh, state: float) -> list[tuple[float, float]]:
+    """``dp_sync_time``'s ``units`` with pipeline stages: (parameter bytes, seconds) of the units of
+    the pipeline rank holding the most parameters (``stages.rank_param_bytes``'s), read off the
+    units' ``unit_costs`` (``time``, ``static`` bytes, ``state`` of them per parameter byte)
+    under the cut ``bounds``, in the order the rank runs them."""
+    ranks = [[k for s, (a, b) in enumerate(bounds) if s % mesh.pp == r for k in range(a, b)] for r in range(mesh.pp)]
+    busiest = max(ranks, key=lambda ks: sum(static[k] for k in ks))
+    return [(float(static[k]) / state, float(time[k])) for k in busiest]
 
 
 def param_byte_time(mesh, dev, *, zero: int, working_copy: bool, gpus_per_node: int = 8) -> float:
@@ -68,21 +161,26 @@ def param_byte_time(mesh, dev, *, zero: int, working_copy: bool, gpus_per_node: 
     return seconds / mesh.pp
 
 
-def rank_update_time(param_bytes: float, mesh, dev, zero: int, working_copy: bool) -> float:
+def rank_update_time(param_bytes: float, mesh, dev, zero: int, working_copy: bool, *,
+                     offload: bool = False) -> float:
     """``update_time`` of a rank holding ``param_bytes`` of fp32 parameters, its optimizer state
-    sharded over dp under ZeRO-1."""
-    return update_time(param_bytes, dev, working_copy=working_copy, optimizer_shards=mesh.dp if zero else 1)
+    sharded over dp under ZeRO-1; with ``offload`` stepped on the host."""
+    return update_time(param_bytes, dev, working_copy=working_copy, optimizer_shards=mesh.dp if zero else 1,
+                       offload=offload)
 
 
-def plan_update_time(memory, mesh, zero: int, precision: str, dev) -> float:
+def plan_update_time(memory, mesh, zero: int, precision: str, dev, *, offload: bool = False) -> float:
     """``rank_update_time`` of the pipeline rank holding the most parameters, read off its stages'
     ``memory`` (a plan's MemoryPlans): AdamW state is two fp32 moments per fp32 parameter, 1/dp of
-    them under ZeRO-1. ``mesh``: (dp, pp, tp)."""
+    them under ZeRO-1; offloaded, the host holds them with the fp32 master (``MemoryPlan.host``:
+    three fp32 numbers per parameter). ``mesh``: (dp, pp, tp)."""
     dp, pp = mesh[0], mesh[1]
     shards = dp if zero else 1
-    per_rank = [sum(m.optimizer for m in memory if m.stage % pp == r) * shards / 2 for r in range(pp)]
+    per_rank = [sum(m.host / 3 if offload else m.optimizer / 2 for m in memory if m.stage % pp == r) * shards
+                for r in range(pp)]
     return update_time(max(per_rank, default=0.0), dev, working_copy=precision != "fp32",
-                       optimizer_shards=shards)
+                       optimizer_shards=shards, offload=offload)
+
 
 
 def flat_compute_time(strategies: dict, tp: int, dev, tp_inter: bool, microbatches: int) -> float:

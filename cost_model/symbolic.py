@@ -52,14 +52,15 @@ from torch.fx import Node
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.passes.rules import shape
+from autopar.passes.units import zero_units
 from autopar.placement import local_shape
 
 from .comm import axis_is_inter_node, collective_time
 from .compute import attention_kind, compute_time
 from .devices import DeviceSpec, get_device
 from .memory import VIEW_OPS, stage_terms
-from .stages import inflight_microbatches, pipeline_time, rank_param_bytes, unit_costs
-from .step import dp_sync_time, plan_update_time, step_time
+from .stages import inflight_microbatches, pipeline_time, rank_param_bytes, state_bytes_per_param_byte, unit_costs
+from .step import dp_sync_time, plan_update_time, rank_unit_figures, step_time, zero_unit_figures
 from .strategy import OP_OVERHEAD, comm_bytes, strategy_work, tp_collectives
 
 # Degrees of every record in (b, S); the fit is checked, so a model outside them is reported.
@@ -321,16 +322,25 @@ def _pipeline(cap, strategies, units, where, plan, mesh, gpus_per_node: int, wor
 
 def _dp_sync(cap, strategies, units, bounds, plan, mesh, dev: DeviceSpec, gpus_per_node: int,
              working_copy: float) -> float:
-    """Seconds of the gradient sync over dp, as the numeric model prices it (no (b, S) in it): over
-    the parameters of the busiest pipeline rank, or of the whole model without stages."""
+    """Seconds of the gradient sync over dp, as the numeric model prices it: over the parameters of
+    the busiest pipeline rank, or of the whole model without stages. It holds no (b, S): ZeRO-2/3's
+    prefetch hides it behind the units' compute at the plan's own shapes."""
+    zero_units_ = None
     if plan.stages:
-        static = unit_costs(cap, strategies, units, mesh, dev, zero=plan.zero, gpus_per_node=gpus_per_node,
-                            working_copy=working_copy)[1]
+        time, static = unit_costs(cap, strategies, units, mesh, dev, zero=plan.zero, gpus_per_node=gpus_per_node,
+                                  working_copy=working_copy)[:2]
         local = rank_param_bytes(static, bounds, mesh, plan.zero, working_copy)
+        if plan.zero >= 2 and mesh.dp > 1:
+            zero_units_ = rank_unit_figures(time, static, bounds, mesh,
+                                            state_bytes_per_param_byte(mesh, plan.zero, working_copy))
     else:
         local = sum(float(torch.Size(local_shape(tuple(n.meta["val"].shape), strategies[n].output, mesh.tp)).numel())
                     * n.meta["val"].element_size() for n in cap.params.values())
-    return dp_sync_time(local, mesh, dev, plan.zero, gpus_per_node)
+        if plan.zero >= 2 and mesh.dp > 1:
+            zero_units_ = zero_unit_figures(strategies, zero_units(cap), mesh.tp, dev,
+                                            axis_is_inter_node(mesh.tp, 1, gpus_per_node))
+    return dp_sync_time(local, mesh, dev, plan.zero, gpus_per_node, microbatches=plan.microbatches,
+                        gathered=working_copy or 1.0, units=zero_units_)
 
 
 class _Interpolator:

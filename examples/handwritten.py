@@ -51,7 +51,8 @@ parallelisms are applied (there after FSDP too; here before it).
 
 Data parallelism (mesh axis "dp"): FSDP2 ``fully_shard`` over ``mesh["dp"]``, per block and at the root,
 as torchtitan's ``apply_fsdp``; see the module constant ``DP_WRAPPER_NOTES`` for what was tried on
-torch 2.13 CPU/gloo.
+torch 2.13 CPU/gloo. ``tensor_parallel=False`` (tp = 1) skips the TP plan: the plain FSDP2 program that
+``python -m autopar compare`` runs as "fsdp2" against autopar's ZeRO-3.
 """
 from __future__ import annotations
 
@@ -175,20 +176,55 @@ def _check_batch(model, idx: torch.Tensor) -> None:
 
 
 def parallelize_by_hand(model: GPT, mesh, *, sequence_parallel: bool = True,
-                        permute_qkv: bool = True, dp_wrapper: str = "fully_shard") -> GPT:
+                        permute_qkv: bool = True, dp_wrapper: str = "fully_shard",
+                        tensor_parallel: bool = True) -> GPT:
     """Tensor (+sequence) parallel over mesh["tp"], then data parallel over mesh["dp"]; in place.
 
     ``model`` must hold the same weights on every rank (build it under the same seed). ``permute_qkv=False``
     applies ColwiseParallel to the fused c_attn as is: the trap, kept only to demonstrate it.
     ``dp_wrapper``: "fully_shard" (FSDP2, the default) or "replicate" (FSDP2-based replicate, DDP semantics).
+    ``tensor_parallel=False`` (a mesh whose tp axis has size 1) leaves the module's own layers as they
+    are and applies only the dp wrapper: plain FSDP2, as torchtitan applies it with TP off, instead of
+    every weight becoming a DTensor over a one-rank axis.
     """
     dp, tp = _check(model, mesh)
-    tp_mesh = mesh["tp"]
-    cfg = model.config
-    C = cfg.n_embd
+    if not tensor_parallel and tp > 1:
+        raise ValueError(f"tensor_parallel=False needs a mesh whose tp axis has size 1, got tp={tp}; "
+                         "pass tensor_parallel=True or build the mesh as (dp, 1)")
+    if not tensor_parallel and sequence_parallel:
+        raise ValueError("sequence_parallel=True shards activations over the tp axis, which "
+                         "tensor_parallel=False does not use; pass sequence_parallel=False")
+    if dp_wrapper not in ("fully_shard", "replicate") and (dp_wrapper != "none" or dp > 1):
+        raise ValueError(f"dp_wrapper={dp_wrapper!r}: expected 'fully_shard' or 'replicate' "
+                         "('none' only when the dp axis has size 1)")
     if model.lm_head.weight is not model.transformer.wte.weight:
         raise ValueError("expected the example GPT with lm_head tied to transformer.wte")
+    if tensor_parallel:
+        _tensor_parallel(model, mesh["tp"], tp, sequence_parallel, permute_qkv)
+    _data_parallel(model, mesh["dp"], dp_wrapper)
+    model._by_hand = types.SimpleNamespace(mesh=mesh, dp=dp, tp=tp, permuted=tensor_parallel and permute_qkv,
+                                           sequence_parallel=sequence_parallel, n_embd=model.config.n_embd)
+    return model
 
+
+def _data_parallel(model: GPT, dp_mesh, dp_wrapper: str) -> None:
+    """Step 6: the dp wrapper over ``dp_mesh``, per block, then at the root ("none": nothing)."""
+    if dp_wrapper == "fully_shard":
+        from torch.distributed.fsdp import fully_shard
+        for block in model.transformer.h:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    elif dp_wrapper == "replicate":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        for block in model.transformer.h:
+            replicate(block, mesh=dp_mesh)
+        replicate(model, mesh=dp_mesh)
+
+
+def _tensor_parallel(model: GPT, tp_mesh, tp: int, sp: bool, permute_qkv: bool) -> None:
+    """Steps 1-5 of the plan in the module docstring: the model's layers sharded over ``tp_mesh``."""
+    cfg = model.config
+    C = cfg.n_embd
     # 1. fused QKV: permute rows (and bias) so that each rank's contiguous block is [q_r, k_r, v_r]
     if permute_qkv:
         perm = qkv_permutation(C, tp)
@@ -204,7 +240,6 @@ def parallelize_by_hand(model: GPT, mesh, *, sequence_parallel: bool = True,
         block.attn.__class__ = _LocalCausalSelfAttention
         block.attn.n_head = cfg.n_head // tp
 
-    sp = sequence_parallel
     # 3. top level: embeddings, final norm, vocab-parallel head
     top = {
         "transformer.wte": RowwiseParallel(input_layouts=Replicate(),
@@ -246,25 +281,6 @@ def parallelize_by_hand(model: GPT, mesh, *, sequence_parallel: bool = True,
     wte_w, head_w = model.transformer.wte.weight, model.lm_head.weight
     assert isinstance(wte_w, DTensor) and wte_w.placements == head_w.placements == (Shard(0),)
     model.lm_head.weight = wte_w
-
-    # 6. data parallel over "dp"
-    if dp_wrapper == "fully_shard":
-        from torch.distributed.fsdp import fully_shard
-        for block in model.transformer.h:
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-    elif dp_wrapper == "replicate":
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-        for block in model.transformer.h:
-            replicate(block, mesh=mesh["dp"])
-        replicate(model, mesh=mesh["dp"])
-    elif dp_wrapper != "none" or dp > 1:
-        raise ValueError(f"dp_wrapper={dp_wrapper!r}: expected 'fully_shard' or 'replicate' "
-                         "('none' only when the dp axis has size 1)")
-
-    model._by_hand = types.SimpleNamespace(mesh=mesh, dp=dp, tp=tp, permuted=permute_qkv,
-                                           sequence_parallel=sp, n_embd=C)
-    return model
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -93,6 +93,8 @@ def capture_pass(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=N
     ValueError, saying what to return, unless the forward returns one scalar (the training loss)."""
     from autopar.passes.block_capture import canonical_names, capture_repeated
 
+    if any(p.is_meta for p in model.parameters()):   # a model built on meta traces with meta inputs
+        example_inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
     export = functools.partial(_export, require_loss=require_loss)
     if dynamic_shapes is not None:
         return canonical_names(export(model, example_inputs, dynamic_shapes))

@@ -4,21 +4,37 @@ Each parameter placeholder receives this rank's dp shard (rows ``[r·c, (r+1)·c
 ``c = ceil(rows / dp)``, zero-padded past the end). Before the first op of every unit (the
 embedding, each block, the head) that uses it, ``gather_param`` all-gathers it at the compute
 dtype; its backward reduce-scatters the gradient in fp32 and averages it over dp, so the shard's
-``.grad`` is the dp-mean gradient of this rank's rows, as FSDP2 leaves it. A weight used by two
-units (a tied embedding) is gathered once in each.
+``.grad`` is the dp-mean gradient of this rank's rows, as FSDP2 leaves it. A weight several units
+of one stage use (a tied embedding: ``once``) is gathered once, before the first of them, and that
+copy serves every use and lives to the last one's backward, so its summed gradient is
+reduce-scattered once: FSDP2's root, which keeps the tied table gathered from the forward to the
+backward. Gathered per unit instead, it would cost a gather in the embedding, two more for the
+head's resharded linear and a second reduce-scatter. Units on different stages each gather their own.
 
 Without resharding the gathered weights live from the forward to the backward (ZeRO-2, FSDP's
 SHARD_GRAD_OP). In a resharded unit (ZeRO-3, FSDP's FULL_SHARD, ``reshard_after_forward``) each
 linear takes its weight's shard and gathers it itself, in the forward and again in the backward
 (``sharded_linear``), so only the shard is kept between them; the unit's other weights (norms,
 biases: small; an embedding table, which its backward does not keep) are gathered as above.
+
+Forward prefetch (FSDP2's, one unit ahead): each gather is two nodes, the launch
+(``prefetch_gather``, an all-gather not yet waited) placed where the unit before starts, and the
+wait inside ``gather_param`` / ``sharded_linear``, so unit k+1's weights are on the wire while unit
+k computes; the first unit's are not hidden. Two units' gathered weights are then alive at once,
+as the memory model counts them. A linear of a recompute region (``recomputed``) gathers its own
+weight instead: its checkpoint would keep a prefetched one from the forward to the backward. The
+launches carry their unit's gather name (``gather_name``), so a pipeline stage runs those of its
+own units, at its start when the unit before is another stage's. The backward's collectives stay
+inside the autograd Functions, as launch and ``wait_tensor``: eager runs them in place; compiled
+with ``autopar.overlap.overlap_backend()``, its joint-graph pass keeps the re-gathers in the
+backward and Inductor's reordering launches them early and sinks the reduce-scatters' waits.
 """
 from __future__ import annotations
 
 import torch
 from torch.fx import GraphModule
 
-from autopar.collectives import gather_param, sharded_linear
+from autopar.collectives import gather_param, prefetch_gather, sharded_linear
 from autopar.passes.driver import copy_graph
 
 GATHER = "zero_gather"
@@ -53,7 +69,8 @@ def gather_name(unit: int, fqn: str) -> str:
 
 
 def zero_pass(gm: GraphModule, *, units: list[list[str]], rows: dict[str, int], group: str, size: int,
-              dtype: torch.dtype | None, reshard: set[int] = frozenset()) -> GraphModule:
+              dtype: torch.dtype | None, reshard: set[int] = frozenset(),
+              recomputed: set[str] = frozenset(), once: set[str] = frozenset()) -> GraphModule:
     """Feed the parameters of ``rows`` (FQN -> rows of its tp shard) as dp shards, all-gathered over ``group`` before each unit."""
     out = copy_graph(gm)
     g = out.graph
@@ -63,20 +80,35 @@ def zero_pass(gm: GraphModule, *, units: list[list[str]], rows: dict[str, int], 
     for n in g.nodes:
         if n.op == "call_function":
             first_op.setdefault(unit(n), n)
+    # unit k's gathers are launched where unit k-1 starts (the unit before it that has ops)
+    order = sorted(first_op)
+    launch_at = {k: first_op[order[max(i - 1, 0)]] for i, k in enumerate(order)}
     for ph in [n for n in g.nodes if n.op == "placeholder" and n.meta.get("kind") == "param"
                and n.meta.get("fqn") in rows]:
         fqn, full = ph.meta["fqn"], ph.meta.get("val")
+        args = (group, size, rows[fqn], dtype)
         by_unit: dict[int, list[torch.fx.Node]] = {}
         for user in list(ph.users):
             by_unit.setdefault(unit(user), []).append(user)
+        if fqn in once:   # one gather before its first unit serves them all, kept to the last backward
+            by_unit = {min(by_unit): [u for users in by_unit.values() for u in users]}
         for k, users in sorted(by_unit.items()):
-            if k in reshard:
-                users = [u for u in users if not _reshard_linear(g, u, ph, (group, size, rows[fqn], dtype))]
+            meta = {"origin": gather_name(k, fqn), "module_path": first_op[k].meta.get("module_path", "")}
+            if k in reshard and fqn not in once:
+                linears = [u for u in users if _is_linear_of(u, ph)]
+                for user in linears:
+                    # a recomputed linear gathers its own weight: a prefetched one would be an input of
+                    # its checkpoint region, kept whole from the forward to the backward
+                    recomputes = user.meta.get("origin", user.name) in recomputed
+                    _reshard_linear(g, user, ph, args,
+                                    None if recomputes else _launch(g, launch_at[k], ph, args, meta))
+                users = [u for u in users if u not in linears]
                 if not users:
                     continue
+            pending = _launch(g, launch_at[k], ph, args, meta)
             with g.inserting_before(first_op[k]):
-                gathered = g.call_function(gather_param, (ph, group, size, rows[fqn], dtype))
-            gathered.meta.update(origin=gather_name(k, fqn), module_path=first_op[k].meta.get("module_path", ""))
+                gathered = g.call_function(gather_param, (ph, *args, pending))
+            gathered.meta.update(meta)
             if full is not None:
                 gathered.meta["val"] = full if dtype is None else full.to(dtype)
             for user in users:
@@ -88,19 +120,35 @@ def zero_pass(gm: GraphModule, *, units: list[list[str]], rows: dict[str, int], 
     return out
 
 
-def _reshard_linear(g, user, ph, args) -> bool:
+def _launch(g, at, ph, args: tuple, meta: dict):
+    """A ``prefetch_gather`` of the shard ``ph`` inserted before ``at``: the gather in flight.
+    ``args``: (group, size, rows of the tp shard, dtype), as ``gather_param`` takes them."""
+    group, size, rows, dtype = args
+    with g.inserting_before(at):
+        pending = g.call_function(prefetch_gather, (ph, group, size, dtype))
+    pending.meta.update(meta)
+    full = ph.meta.get("val")
+    if full is not None:   # every rank's rows, padding included
+        pending.meta["val"] = full.new_empty((size * shard_rows(rows, size), *full.shape[1:]), dtype=dtype or full.dtype)
+    return pending
+
+
+def _is_linear_of(user, ph) -> bool:
+    """Whether ``user`` is a linear taking ``ph`` as its weight only."""
+    return (user.target is torch.ops.aten.linear.default and user.args[1] is ph
+            and ph not in (user.args[0], *user.args[2:]))
+
+
+def _reshard_linear(g, user, ph, args, pending) -> None:
     """Replace ``user``, a linear whose weight is ``ph``, by a ``sharded_linear`` on the shard (and
-    its bias added after); False when ``user`` is no such linear."""
-    if user.target is not torch.ops.aten.linear.default or user.args[1] is not ph or ph in (user.args[0], *user.args[2:]):
-        return False
+    its bias added after) that waits on ``pending``, its weight's prefetched gather (None: it gathers)."""
     meta = {"origin": user.meta.get("origin", user.name),   # what recompute regions and stages name it by
             **{k: v for k, v in user.meta.items() if k in ("val", "module_path")}}
     with g.inserting_before(user):
-        y = g.call_function(sharded_linear, (user.args[0], ph, *args))
+        y = g.call_function(sharded_linear, (user.args[0], ph, *args, pending))
         y.meta.update(meta)
         if len(user.args) > 2 and user.args[2] is not None:
             y = g.call_function(torch.ops.aten.add.Tensor, (y, user.args[2]))
             y.meta.update(meta)
     user.replace_all_uses_with(y)
     g.erase_node(user)
-    return True

@@ -10,7 +10,8 @@ Once collection is over, ``start()`` (called by conftest) runs every registered 
 background thread, one world after another, while the main process goes on with the tests that
 need no ranks (conftest puts the modules that read pooled jobs last): on a 2-core machine the
 main process keeps one core busy and the ranks the other. A test that asks for a world the
-thread has not reached yet spawns it itself; one that asks for the world being run waits for it.
+thread has not reached yet moves it to the front of the thread's queue and waits for it, so the
+pool runs one spawn at a time.
 Each rank restores the environment the session had when ``start()`` ran, so a test that sets a
 variable (monkeypatch) while a world starts does not leak it into the ranks.
 
@@ -41,6 +42,8 @@ _LOCKS: dict[int, threading.Lock] = {}
 _LOCK = threading.Lock()   # guards _LOCKS and _WORKDIR
 _ENV: dict[str, str] = {}   # the environment ranks run with, taken by start()
 _BACKGROUND: list[threading.Thread] = []
+_PENDING: list[int] = []   # the worlds the background thread has yet to run, next first (guarded by _LOCK)
+_DONE: dict[int, threading.Event] = {}   # set once the background thread has run a world
 
 
 class JobError(AssertionError):
@@ -73,6 +76,20 @@ def job(world: int, fn, *args, timeout: float = 600.0, workdir: bool = False, la
     return Job(world, fn, args, timeout, workdir, lazy, sys._getframe(1).f_globals.get("__name__", ""))
 
 
+def per_world(fn, cases: list, *, timeout: float) -> tuple[dict[int, list], dict[int, "Job"]]:
+    """Cases grouped by their world size (each case starts with its (dp, pp, tp) mesh), and per world
+    one job that runs ``fn(rank, world, *case)`` for each of its cases in turn (a list, case order)."""
+    by_world: dict[int, list] = {}
+    for case in cases:
+        by_world.setdefault(case[0][0] * case[0][1] * case[0][2], []).append(case)
+    module = sys._getframe(1).f_globals.get("__name__", "")
+    return by_world, {w: Job(w, _each_case, (fn, todo), timeout, False, None, module) for w, todo in by_world.items()}
+
+
+def _each_case(rank, world, fn, cases):
+    return [fn(rank, world, *case) for case in cases]
+
+
 def modules() -> set[str]:
     """The test modules that registered pooled jobs."""
     return {j.module for jobs in _JOBS.values() for j in jobs}
@@ -81,8 +98,11 @@ def modules() -> set[str]:
 def start() -> None:
     """Runs every world registered so far in a background thread, largest total job timeout first."""
     _ENV.update(os.environ)
-    worlds = sorted(_JOBS, key=lambda w: -sum(j.timeout for j in _JOBS[w]))
-    thread = threading.Thread(target=_run_quietly, args=(worlds,), name="autopar-test-pool", daemon=True)
+    with _LOCK:
+        _PENDING[:] = sorted(_JOBS, key=lambda w: -sum(j.timeout for j in _JOBS[w]))
+        for world in _PENDING:
+            _DONE[world] = threading.Event()
+    thread = threading.Thread(target=_run_quietly, name="autopar-test-pool", daemon=True)
     _BACKGROUND.append(thread)
     thread.start()
 
@@ -94,12 +114,19 @@ def stop() -> None:
             child.terminate()
 
 
-def _run_quietly(worlds) -> None:
-    for world in worlds:
+def _run_quietly() -> None:
+    """The background thread: one world at a time, so that the pool never runs two spawns at once."""
+    while True:
+        with _LOCK:
+            if not _PENDING:
+                return
+            world = _PENDING.pop(0)
         try:
-            _run(world)
+            _run_world(world)
         except Exception:   # recorded in _FAILED: the tests that read the world report it
             pass
+        finally:
+            _DONE[world].set()
 
 
 def _restore_environment(env: dict[str, str]) -> None:
@@ -127,6 +154,18 @@ def _run_all(rank, world, jobs, env):
 
 
 def _run(world: int) -> list:
+    """A test's request: a world the background thread has yet to run goes first, and is waited for."""
+    with _LOCK:
+        if world in _PENDING:
+            _PENDING.remove(world)
+            _PENDING.insert(0, world)
+        done = _DONE.get(world)
+    if done is not None and any(t.is_alive() for t in _BACKGROUND):
+        done.wait()
+    return _run_world(world)
+
+
+def _run_world(world: int) -> list:
     with _LOCK:
         lock = _LOCKS.setdefault(world, threading.Lock())
     with lock:

@@ -1,6 +1,7 @@
-"""Checkpoints across meshes: a run trained on (2,1,2) with ZeRO-1, resumed on (1,2,2), on (4,1,1) with
-ZeRO-1, then on one rank, must follow the uninterrupted single-device AdamW loss curve; resuming on the
-same mesh must be bitwise; the exported state_dict must load into the unsharded GPT.
+"""Checkpoints across meshes: a run trained on (4,1,1) with ZeRO-3 (the weights as dp shards), resumed
+on (2,1,2) with ZeRO-1, then on (1,2,2) (pipeline), then on one rank without ZeRO, must follow the
+uninterrupted single-device AdamW loss curve; resuming on the same mesh (the ZeRO-3 one) must be
+bitwise; the exported state_dict must load into the unsharded GPT.
 
 The three 4-rank meshes share one spawn, the session's pool (process start-up dominates); the 1-rank
 mesh reads their checkpoints in a spawn of its own."""
@@ -22,11 +23,11 @@ import pool
 from parity import BATCH, SEQ, TINY, make_model, train_curve
 
 LR = 1e-3
+ZERO_DP = ((4, 1, 1), dict(plan="auto", zero=3))   # the weights, gradients and optimizer state as dp shards
 ZERO_TP = ((2, 1, 2), dict(plan="megatron", sequence_parallel=True, zero=1))
 PIPELINE = ((1, 2, 2), dict(plan="megatron", sequence_parallel=False))
-ZERO_DP = ((4, 1, 1), dict(plan="auto", zero=3))   # ZeRO-1 is ZERO_TP's; here the weights are dp shards
-SINGLE = ((1, 1, 1), dict(plan="auto"))
-STEPS = (3, 3, 2, 2)   # on ZERO_TP, PIPELINE, ZERO_DP, SINGLE in turn
+SINGLE = ((1, 1, 1), dict(plan="auto"))   # zero=0
+STEPS = (3, 3, 2, 2)   # on ZERO_DP, ZERO_TP, PIPELINE, SINGLE in turn
 
 
 def _build(mesh, knobs, cfg=TINY):
@@ -47,24 +48,24 @@ def _train(pm, opt, steps):
 
 def _four_ranks(rank, world, root):
     out = {}
-    pm, opt = _build(*ZERO_TP)
-    out["placements"] = {q.fqn: q.placements["tp"] for q in pm.plan.parameters}
+    pm, opt = _build(*ZERO_DP)
     out["a"] = _train(pm, opt, STEPS[0])
-    save_checkpoint(pm, opt, root / "a", step=STEPS[0], extra={"mesh": ZERO_TP[0]})
+    save_checkpoint(pm, opt, root / "a", step=STEPS[0], extra={"mesh": ZERO_DP[0]})
     out["uninterrupted"] = _train(pm, opt, STEPS[1])
     out["uninterrupted_state"] = export_state_dict(pm)
 
-    pm, opt = _build(*ZERO_TP)
+    pm, opt = _build(*ZERO_DP)
     out["info_a"] = load_checkpoint(pm, opt, root / "a")
     out["resumed"] = _train(pm, opt, STEPS[1])
     out["resumed_state"] = export_state_dict(pm)
 
-    pm, opt = _build(*PIPELINE)
+    pm, opt = _build(*ZERO_TP)
+    out["placements"] = {q.fqn: q.placements["tp"] for q in pm.plan.parameters}
     load_checkpoint(pm, opt, root / "a")
     out["b"] = _train(pm, opt, STEPS[1])
     save_checkpoint(pm, opt, root / "b", step=sum(STEPS[:2]))
 
-    pm, opt = _build(*ZERO_DP)
+    pm, opt = _build(*PIPELINE)
     load_checkpoint(pm, opt, root / "b")
     out["c"] = _train(pm, opt, STEPS[2])
     save_checkpoint(pm, opt, root / "c", step=sum(STEPS[:3]))
@@ -143,7 +144,7 @@ def test_resume_on_same_mesh_is_bitwise(runs):
 
 def test_step_and_extra_come_back(runs):
     _, four, one = runs
-    assert four[0]["info_a"] == {"step": 3, "extra": {"mesh": (2, 1, 2)}}
+    assert four[0]["info_a"] == {"step": 3, "extra": {"mesh": (4, 1, 1)}}
     assert one["info_c"] == {"step": 8, "extra": None}
 
 

@@ -91,8 +91,8 @@ def test_dead_rank_is_reported(fn, expected):
 def test_timeout_names_unfinished_ranks():
     start = time.monotonic()
     with pytest.raises(TimeoutError) as info:
-        spawn(_hang_on_rank_1, 2, timeout=8)  # long enough for rank 0 to start and return
-    assert time.monotonic() - start < 20
+        spawn(_hang_on_rank_1, 2, timeout=30)  # long enough for rank 0 to start and return on a busy machine
+    assert time.monotonic() - start < 45
     assert str(info.value).endswith("ranks still running: [1]")
 
 

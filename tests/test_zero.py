@@ -12,7 +12,7 @@ import pool
 from autopar import collectives as C
 from autopar.examples.gpt import example_inputs
 from autopar.passes.zero import shard_rows
-from parity import SEQ, TINY, make_model, reference, train_curve
+from parity import SEQ, TINY, make_model, reference
 
 STEPS, LR, BATCH = 10, 1e-3, 8
 # (mesh, zero, optimizer, knobs): plain = torch.optim.AdamW(pm.parameters()), own = pm.optimizer(AdamW)
@@ -56,20 +56,12 @@ def _one(rank, world, mesh, zero, optimizer, knobs):
     return loss, grads, curve, held, gathers, pm.plan.zero
 
 
-def _world(rank, world, cases):
-    return [_one(rank, world, *case) for case in cases]
-
-
-BY_WORLD: dict[int, list] = {}
-for case in CASES:
-    BY_WORLD.setdefault(case[0][0] * case[0][1] * case[0][2], []).append(case)
-JOBS = {w: pool.job(w, _world, cases, timeout=900) for w, cases in BY_WORLD.items()}
+BY_WORLD, JOBS = pool.per_world(_one, CASES, timeout=900)
 
 
 @pytest.fixture(scope="module")
 def ref():
-    loss, grads, _ = reference(TINY, batch=BATCH)
-    return loss, grads, train_curve(make_model(), *example_inputs(TINY, BATCH, SEQ), STEPS, LR)
+    return reference(TINY, steps=STEPS, lr=LR, batch=BATCH)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-zero{c[1]}-{c[2]}{'-' + '-'.join(c[3].values()) if c[3] else ''}")

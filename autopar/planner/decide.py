@@ -17,7 +17,8 @@ import torch
 from autopar.cost_model import get_device
 from autopar.cost_model.stages import SCHEDULES, rank_param_bytes, state_bytes_per_param_byte, unit_costs
 from autopar.cost_model.strategy import OP_OVERHEAD
-from autopar.cost_model.step import dp_sync_time, param_byte_time, plan_update_time, rank_update_time, step_time
+from autopar.cost_model.step import (dp_sync_time, param_byte_time, plan_update_time, rank_unit_figures, rank_update_time,
+                                     step_time)
 from autopar.errors import PlanError, PlanFormatError
 from autopar.mesh import Mesh
 from autopar.passes.capture import Captured, capture_pass
@@ -31,7 +32,8 @@ from autopar.planner.sharding import (Assignment, check_tp, enumerate_strategies
                                       strategies_from_plan, with_regather)
 from autopar.planner.stage_cut import choose_cut
 from autopar.planner.stage_dp import cut_stages, inflight_microbatches, min_peak_memory
-from autopar.plans import Plan, StagePlan, axis_warnings, edited_source, fit_warning
+from autopar.plans import (OFFLOADS, Plan, StagePlan, axis_warnings, edited_source, fit_warning,
+                           offload_limit)
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -47,7 +49,8 @@ def parse_bytes(value) -> float | None:
     return float(m.group(1)) * _UNITS[m.group(2).upper()]
 
 
-def check_knobs(mesh: Mesh, recompute, schedule, zero, sequence_parallel):
+def check_knobs(mesh: Mesh, recompute, schedule, zero, sequence_parallel, offload="none"):
+    """Refuse a knob value the planner does not know, with the values it does."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: expected one of {', '.join(SCHEDULES)}")
     if recompute not in ("none", "selective", "full", "auto"):
@@ -57,6 +60,10 @@ def check_knobs(mesh: Mesh, recompute, schedule, zero, sequence_parallel):
                          "2 (and gradients), 3 (and weights, gathered per unit) or 'auto'")
     if sequence_parallel not in (True, False, "auto"):
         raise ValueError(f"sequence_parallel={sequence_parallel!r}: expected True, False or 'auto'")
+    if offload not in (*OFFLOADS, "auto"):
+        raise ValueError(f"offload={offload!r}: expected 'none' (everything on the device), 'optimizer' (the fp32 "
+                         "master weights and AdamW state in host memory, stepped by the CPU) or 'auto' (offload "
+                         "only when the plan fits the memory budget with it and not without)")
 
 
 def _local_inputs(example_inputs, mesh: Mesh, microbatches: int):
@@ -100,7 +107,7 @@ def _microbatch_options(mesh: Mesh, batch: int, schedule: str, microbatches) -> 
 def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto", recompute="none",
            memory_budget=None, schedule="1F1B", microbatches=None, zero=0, device="h100",
            gpus_per_node=8, stages=None, virtual_stages=None, world_size=None,
-           precision="fp32") -> tuple[Captured, dict, Plan]:
+           precision="fp32", offload="none") -> tuple[Captured, dict, Plan]:
     """Capture and plan: the graph, the strategy per node and the Plan (no process group needed).
 
     With pp > 1 and no ``microbatches``, every count the schedule can take is planned and
@@ -108,6 +115,7 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
     every valid (dp, pp, tp) is ranked first (``autopar.planner.mesh_search``) and the best one planned."""
     notes = ()
     compute_dtype(precision)   # an unknown precision fails before any planning
+    offload = "none" if offload is None else offload   # the design's spelling of "none"
     captures: dict = {}
 
     def capture(inputs) -> Captured:   # the mesh search and the plan often trace the same shapes
@@ -118,12 +126,13 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
 
     knobs = dict(plan=plan, sequence_parallel=sequence_parallel, memory_budget=memory_budget,
                  schedule=schedule, zero=zero, device=device, gpus_per_node=gpus_per_node, stages=stages,
-                 virtual_stages=virtual_stages, recompute=recompute, precision=precision, capture=capture)
+                 virtual_stages=virtual_stages, recompute=recompute, precision=precision, capture=capture,
+                 offload=offload)
     planned: dict = {}
     if isinstance(mesh, str) and mesh == "auto":
         def price(candidate: Mesh, m: int) -> Decision:   # the candidate's plan, as it is made below
-            check_knobs(candidate, recompute, schedule, zero, sequence_parallel)
-            planned[(candidate, m)] = _decide_zero(model, candidate, example_inputs, microbatches=m, **knobs)
+            check_knobs(candidate, recompute, schedule, zero, sequence_parallel, offload)
+            planned[(candidate, m)] = _decide_offload(model, candidate, example_inputs, microbatches=m, **knobs)
             return planned[(candidate, m)]
 
         budget = parse_bytes(memory_budget)
@@ -132,16 +141,17 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
                                                memory_budget=get_device(device).memory_bytes if budget is None
                                                else budget)
     mesh = Mesh.parse(mesh)
-    check_knobs(mesh, recompute, schedule, zero, sequence_parallel)
+    check_knobs(mesh, recompute, schedule, zero, sequence_parallel, offload)
     options = _microbatch_options(mesh, example_inputs[0].shape[0], schedule, microbatches)
     if isinstance(plan, Plan):
         options = [plan.microbatches]
     best = (planned.get((mesh, max(options)))
-            or _decide_zero(model, mesh, example_inputs, microbatches=max(options), **knobs))
+            or _decide_offload(model, mesh, example_inputs, microbatches=max(options), **knobs))
     if len(options) > 1:
         m = _best_microbatches(best, mesh, options, knobs)
         if m != best.fields["microbatches"]:
-            best = _decide_zero(model, mesh, example_inputs, microbatches=m, **{**knobs, "zero": best.fields["zero"]})
+            best = _decide_offload(model, mesh, example_inputs, microbatches=m,
+                                   **{**knobs, "zero": best.fields["zero"], "offload": best.fields["offload"]})
     return best.cap, best.strategies, best.plan(notes)
 
 
@@ -167,6 +177,7 @@ def _best_microbatches(planned: Decision, mesh: Mesh, options: list[int], knobs:
     budget = parse_bytes(knobs["memory_budget"])
     budget = dev.memory_bytes if budget is None else budget
     zero, gpus_per_node, working_copy = planned.fields["zero"], knobs["gpus_per_node"], working_copy_ratio(cap)
+    offload = planned.fields["offload"] != "none"
     best, best_time = planned_m, float("inf")
     for m in options:
         grow = planned_m / m   # how much larger each microbatch is
@@ -183,9 +194,12 @@ def _best_microbatches(planned: Decision, mesh: Mesh, options: list[int], knobs:
             continue
         # the cut decides which parameters the busiest rank syncs and updates
         params = rank_param_bytes(static, cut.bounds, mesh, zero, working_copy)
+        scaled = (time - overhead) * grow + overhead
         seconds = step_time(cut.step_time, [dp_sync_time(params, mesh, dev, zero, gpus_per_node, microbatches=m,
-                                                         gathered=working_copy or 1.0)],
-                            rank_update_time(params, mesh, dev, zero, working_copy > 0))
+                                                         gathered=working_copy or 1.0,
+                                                         units=_zero_units(scaled, static, cut.bounds, mesh, zero,
+                                                                           working_copy))],
+                            rank_update_time(params, mesh, dev, zero, working_copy > 0, offload=offload))
         if seconds < best_time:
             best, best_time = m, seconds
     return best
@@ -262,6 +276,51 @@ def _view(fields: dict) -> SimpleNamespace:
     return SimpleNamespace(**{**defaults, **fields})
 
 
+def _decide_offload(model, mesh, example_inputs, *, offload, memory_budget, device, **knobs) -> Decision:
+    """``_decide_zero`` at ``offload``; for offload="auto", with the optimizer on the device and on
+    the host, keeping the host ("optimizer") only when the plan misses the memory budget (the
+    device's memory by default) without it and fits with it, else "none" (or "optimizer" when no
+    plan keeps the optimizer on the device within the budget); the choice is said in the plan's
+    notes. A given plan keeps its own choice."""
+    if offload != "auto" or isinstance(knobs["plan"], Plan):
+        return _decide_zero(model, mesh, example_inputs, offload="none" if offload == "auto" else offload,
+                            memory_budget=memory_budget, device=device, **knobs)
+    budget = parse_bytes(memory_budget)
+    limit = get_device(device).memory_bytes if budget is None else budget
+    tried, failed = {}, {}
+    for where in OFFLOADS:
+        try:
+            tried[where] = _decide_zero(model, mesh, example_inputs, offload=where, memory_budget=memory_budget,
+                                        device=device, **knobs)
+        except ValueError as e:   # no plan within the budget, offload not possible here or not priced on this device
+            failed[where] = e
+    if not tried:
+        raise failed["none"]
+    fits = {where: d.peak_memory <= limit for where, d in tried.items()}
+    chosen = "optimizer" if not fits.get("none") and fits.get("optimizer") else "none"
+    if chosen not in tried:   # no plan keeps the optimizer on the device within the budget, nor fits with it
+        chosen = "optimizer"
+    why = ("it fits without offload" if fits.get("none") else "only with offload it fits" if fits.get("optimizer")
+           else "it does not fit either way")
+    rows = "; ".join([f"offload={w}: {d.step_time * 1e3:.3f} ms, {d.peak_memory / 2**30:.2f} GiB"
+                      f"{'' if fits[w] else ' (does not fit)'}" for w, d in tried.items()]
+                     + [f"offload={w}: no plan ({e})" for w, e in failed.items()])
+    best = tried[chosen]
+    best.fields["notes"] = best.fields.get("notes", ()) + (
+        f"offload chosen automatically: offload={chosen}, {why} (budget {limit / 2**30:.2f} GiB; {rows})",)
+    return best
+
+
+def _state_bytes(mesh: Mesh, zero: int, working_copy: float, offload: str) -> float:
+    """Device bytes per fp32 parameter byte that the tp ILP's memory budget counts: those of
+    ``state_bytes_per_param_byte``; offloaded, the weights and gradients alone, as
+    ``param_state(offload=True)`` keeps them (1/dp of fp32 ones under ZeRO-2/3, else each at the
+    working dtype)."""
+    if offload == "none":
+        return state_bytes_per_param_byte(mesh, zero, working_copy)
+    return 2.0 / mesh.dp if zero >= 2 and mesh.dp > 1 else 2.0 * (working_copy or 1.0)
+
+
 def _decide_zero(model, mesh, example_inputs, *, zero, memory_budget, device, **knobs) -> Decision:
     """``_decide`` at ``zero``; for zero="auto", at every ZeRO stage dp can shard, keeping the fastest
     that fits the memory budget (the device's memory by default), else the one with the least peak.
@@ -292,7 +351,7 @@ def _decide_zero(model, mesh, example_inputs, *, zero, memory_budget, device, **
 
 
 def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budget, schedule, microbatches,
-            zero, device, gpus_per_node, stages, virtual_stages, recompute, precision, capture) -> Decision:
+            zero, device, gpus_per_node, stages, virtual_stages, recompute, precision, capture, offload) -> Decision:
     m = microbatches
     v = _virtual(schedule, virtual_stages)
     dev = get_device(device)
@@ -314,7 +373,8 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
             raise PlanError(f"plan.input_shapes {given.input_shapes} do not match this batch's "
                             "microbatch shapes; re-plan for this batch size")
         assignment = Assignment(strategies_from_plan(cap, options, given), options, given.solve_seconds, 0.0)
-        schedule, v, zero, recompute = given.schedule, given.virtual_stages, given.zero, given.recompute
+        schedule, v, zero, recompute, offload = (given.schedule, given.virtual_stages, given.zero, given.recompute,
+                                                 given.offload)
         stages = [s.modules for s in given.stages] or None
         regions = _regions_from_plan(cap, given)
         plan = given.source
@@ -323,7 +383,7 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
             options = megatron_options(cap, options, sequence_parallel is not False)
         assignment = solve(cap, options, mesh.tp, dev, inter_node=mesh.tp > gpus_per_node,
                            memory_budget=parse_bytes(memory_budget) if recompute != "auto" else None,
-                           param_state_bytes=state_bytes_per_param_byte(mesh, zero, working_copy_ratio(cap)),
+                           param_state_bytes=_state_bytes(mesh, zero, working_copy_ratio(cap), offload),
                            param_byte_seconds=param_byte_time(mesh, dev, zero=zero, working_copy=precision != "fp32",
                                                               gpus_per_node=gpus_per_node))
     else:
@@ -332,6 +392,9 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
     if zero >= 2 and mesh.dp == 1:
         notes = (f"zero={zero} asks to shard over dp, but dp=1: nothing to shard; planned as zero=0",)
         zero = 0
+    refused = offload_limit(offload, precision, zero, (mesh.dp, mesh.pp, mesh.tp), m)
+    if refused:
+        raise ValueError(refused)
     budget = parse_bytes(memory_budget)
     sp = any(isinstance(s.output, Shard) and n.target is torch.ops.aten.layer_norm.default
              for n, s in assignment.strategies.items())
@@ -345,7 +408,7 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
                                         microbatches=m, zero=zero, gpus_per_node=gpus_per_node, memory_budget=budget,
                                         stages=stages, recompute=recompute, regions=regions))
         fields.update(_memory_fields(cap, assignment.strategies, mesh, dev, fields, recompute=recompute,
-                                     budget=budget, zero=zero, regions=regions))
+                                     budget=budget, zero=zero, regions=regions, offload=offload))
         return fields
 
     if given is None and sp and budget is not None and _over(lambda: fields_of(assignment, "none"), budget):
@@ -357,9 +420,10 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
     keep = tuple(given.keep_gathered) if given is not None else ()
     if keep:
         _check_units(cap, keep, zero)
-    fields.update(notes=notes, keep_gathered=keep)
+    fields.update(notes=notes, keep_gathered=keep, offload=offload)
     fields.update(precision=precision, peak_flops=dev.flops(compute_dtype(precision)),
-                  predicted_update_s=plan_update_time(fields["memory"], fields["mesh"], zero, precision, dev))
+                  predicted_update_s=plan_update_time(fields["memory"], fields["mesh"], zero, precision, dev,
+                                                      offload=offload != "none"))
     return Decision(cap, assignment.strategies, fields, dev, budget, gpus_per_node, given)
 
 
@@ -369,7 +433,7 @@ def _warnings(result, cap, strategies, mesh, dev, budget, gpus_per_node: int) ->
     def full_recompute_peak():
         try:
             full = _memory_fields(cap, strategies, mesh, dev, vars(result), recompute="full", budget=budget,
-                                  zero=result.zero)
+                                  zero=result.zero, offload=result.offload)
         except PlanError:   # no repeated blocks to recompute
             return None
         return max(m.peak for m in full["memory"])
@@ -423,9 +487,10 @@ def _regions_from_plan(cap, plan: Plan) -> list:
 
 
 def _memory_fields(cap, strategies, mesh, dev, fields: dict, *, recompute: str, budget, zero: int,
-                   regions=None) -> dict:
+                   regions=None, offload: str = "none") -> dict:
     """The plan's recompute regions (chosen for ``recompute``, or as given) and memory per stage, for
-    the stages, microbatches and schedule in ``fields``."""
+    the stages, microbatches and schedule in ``fields``; with ``offload`` the optimizer's share on
+    the host."""
 
     stage_nodes = inflight = None
     stages, microbatches = fields.get("stages", ()), fields["microbatches"]
@@ -438,11 +503,12 @@ def _memory_fields(cap, strategies, mesh, dev, fields: dict, *, recompute: str, 
         if budget is None:
             raise ValueError("recompute='auto' needs memory_budget= (e.g. '60GiB')")
         regions, _ = choose_recompute(cap, strategies, mesh, dev, zero=zero, budget=budget,
-                                      microbatches=microbatches, stage_nodes=stage_nodes, inflight=inflight)
+                                      microbatches=microbatches, stage_nodes=stage_nodes, inflight=inflight,
+                                      offload=offload != "none")
     elif regions is None:
         regions = regions_for(cap, recompute)
     memory = memory_breakdown(cap, strategies, mesh, zero=zero, regions=regions, stage_nodes=stage_nodes,
-                              inflight=inflight, microbatches=microbatches)
+                              inflight=inflight, microbatches=microbatches, offload=offload != "none")
     return dict(recompute=recompute, memory=memory, recompute_regions=tuple(tuple(n.name for n in r) for r in regions))
 
 
@@ -480,7 +546,15 @@ def _stage_fields(cap, strategies, mesh, dev, *, schedule, virtual, microbatches
     rank_params = rank_param_bytes(costs[1], cut.bounds, mesh, zero, working_copy)
     return dict(stages=stage_plans, predicted_compute_s=float(cut.step_time),
                 predicted_comm_s=dp_sync_time(rank_params, mesh, dev, zero, gpus_per_node, microbatches=microbatches,
-                                              gathered=working_copy or 1.0))
+                                              gathered=working_copy or 1.0,
+                                              units=_zero_units(costs[0], costs[1], cut.bounds, mesh, zero, working_copy)))
+
+
+def _zero_units(time, static, bounds, mesh, zero: int, working_copy: float):
+    """ZeRO-2/3's per-unit (bytes, seconds) of the busiest pipeline rank, for ``dp_sync_time``; None otherwise."""
+    if zero < 2 or mesh.dp == 1:
+        return None
+    return rank_unit_figures(time, static, bounds, mesh, state_bytes_per_param_byte(mesh, zero, working_copy))
 
 
 def rebuild(model, plan: Plan, example_inputs, *, sequence_parallel="auto") -> tuple[Captured, dict]:

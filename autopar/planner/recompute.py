@@ -11,7 +11,7 @@ the blocks, ``autopar.planner.ilp``), or says the smallest peak any choice reach
 """
 from __future__ import annotations
 
-from autopar.cost_model.memory import attention_core, compiled_kept, stage_terms
+from autopar.cost_model.memory import attention_core, compiled_kept, host_state, stage_terms
 from autopar.cost_model.strategy import strategy_time
 from autopar.planner.ilp import InfeasibleError, solve_strategies
 from autopar.plans import MemoryPlan
@@ -35,23 +35,24 @@ def regions_for(cap, mode: str) -> list[list]:
 
 
 def memory_breakdown(cap, strategies, mesh, *, zero: int, regions, stage_nodes=None, inflight=None,
-                     microbatches: int = 1):
-    """MemoryPlan per stage (one stage when pp = 1)."""
+                     microbatches: int = 1, offload: bool = False):
+    """MemoryPlan per stage (one stage when pp = 1); with ``offload`` the optimizer's state on the host."""
     stage_nodes = stage_nodes or [[n for n in cap.gm.graph.nodes if n.op == "call_function"]]
     inflight = inflight or [1] * len(stage_nodes)
     out = []
     for s, nodes in enumerate(stage_nodes):
         params, grads, opt, act, excess = stage_terms(cap, strategies, mesh, nodes, regions, zero=zero,
                                                       microbatches=microbatches,
-                                                      working_copy=working_copy_ratio(cap))
+                                                      working_copy=working_copy_ratio(cap), offload=offload)
         transient = max([0.0] + [b for _, b in excess])
         act *= inflight[s]
-        out.append(MemoryPlan(s, params, grads, opt, act, params + grads + opt + act + transient, transient))
+        host = host_state(cap, strategies, mesh, nodes, zero) if offload else 0.0
+        out.append(MemoryPlan(s, params, grads, opt, act, params + grads + opt + act + transient, transient, host))
     return tuple(out)
 
 
 def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, microbatches: int = 1,
-                     stage_nodes=None, inflight=None):
+                     stage_nodes=None, inflight=None, offload: bool = False):
     """Per block the cheapest recompute mode (by recomputed forward time) fitting ``budget`` bytes
     on every stage's rank (``stage_nodes`` and ``inflight`` as for ``memory_breakdown``; one
     stage by default). A block's choice moves only its own stage's memory, so each stage is its
@@ -64,8 +65,14 @@ def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, mi
 
     stage_nodes = stage_nodes or [[n for n in cap.gm.graph.nodes if n.op == "call_function"]]
     inflight = inflight or [1] * len(stage_nodes)
+    # the per-block ILP below adds each block's own activations to the fully recomputed peak, which
+    # carries full recompute's backward transient: when nothing recomputed already fits, say so exactly
+    plain = memory_breakdown(cap, strategies, mesh, zero=zero, regions=[], stage_nodes=stage_nodes,
+                             inflight=inflight, microbatches=microbatches, offload=offload)
+    if all(m.peak <= budget for m in plain):
+        return [], ["none"] * len(blocks)
     bases = memory_breakdown(cap, strategies, mesh, zero=zero, regions=regions_for(cap, "full"),
-                             stage_nodes=stage_nodes, inflight=inflight, microbatches=microbatches)
+                             stage_nodes=stage_nodes, inflight=inflight, microbatches=microbatches, offload=offload)
     chosen = {}
     for s, (nodes, base) in enumerate(zip(stage_nodes, bases)):
         members = set(nodes)

@@ -27,10 +27,11 @@ import torch
 from torch.fx import Node
 
 from autopar.cost_model import axis_is_inter_node, node_flops
-from autopar.cost_model.step import dp_sync_bytes, dp_sync_kinds, dp_sync_time, flat_compute_time, tp_comm_time
+from autopar.cost_model.step import (dp_sync_bytes, dp_sync_kinds, dp_sync_time, flat_compute_time, tp_comm_time,
+                                     zero_unit_figures)
 from autopar.cost_model.strategy import OP_OVERHEAD, move_time, param_memory, strategy_time, tp_collectives
 from autopar.errors import PlanError
-from autopar.passes.units import find_blocks
+from autopar.passes.units import find_blocks, zero_units
 from autopar.planner.ilp import solve_strategies
 from autopar.passes.capture import Captured, graph_cached
 from autopar.passes.precision import working_copy_ratio
@@ -245,7 +246,8 @@ def sharding_fields(cap: Captured, assignment: Assignment, mesh, dev, *, sequenc
     times = m if zero >= 2 else 1
     for phase, kind in dp_sync_kinds(zero) if dp > 1 else []:
         agg[(kind, "dp", phase, "(all parameters)")] = [times, times * dp_sync_bytes(kind, local_bytes, zero, gathered)]
-    comm += dp_sync_time(local_bytes, mesh, dev, zero, gpus_per_node, microbatches=m, gathered=gathered)
+    units = zero_unit_figures(strategies, zero_units(cap), tp, dev, tp_inter) if zero >= 2 and dp > 1 else None
+    comm += dp_sync_time(local_bytes, mesh, dev, zero, gpus_per_node, microbatches=m, gathered=gathered, units=units)
     compute = flat_compute_time(strategies, tp, dev, tp_inter, m)
     colls = tuple(CollectivePlan(k, axis, ph, w, n, int(b)) for (k, axis, ph, w), (n, b) in agg.items())
     input_shapes = tuple(shape(i) for i in cap.inputs)

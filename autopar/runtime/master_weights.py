@@ -24,6 +24,10 @@ dp > 1 sums the gradients in fp32, as the default path does, and a weight whose 
 graph sums over tp (a replicated norm weight under sequence parallelism) keeps an fp32 copy,
 small as it is, so that sum is not rounded to bf16. Gradients do not add up across ``train_step`` calls (they would in
 bf16): ``opt.zero_grad()`` comes before each.
+
+With ``offload="optimizer"`` the masters live in host memory instead (``autopar.runtime.offload``):
+the device parameters are then the bf16 working weights themselves, so there is nothing for
+MasterAdamW to fuse and ``pm.optimizer(MasterAdamW)`` is refused there.
 """
 from __future__ import annotations
 

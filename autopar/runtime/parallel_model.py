@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import weakref
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar import collectives as C
 from autopar.mesh import default_device_type, group_name
+from autopar.overlap import RegatherInBackward
 from autopar.passes.driver import rank_prefix, run_passes
 from autopar.passes.precision import precision_pass
 from autopar.passes.recompute import recompute_pass
@@ -18,11 +20,13 @@ from autopar.passes.shard import shard_pass
 from autopar.passes.rules import is_float
 from autopar.passes.fuse_loss import cross_entropy_kernel_pass
 from autopar.passes.precision import compute_dtype
+from autopar.passes.device import device_pass
 from autopar.passes.units import stage_of_nodes, zero_units
 from autopar.passes.zero import gather_name, shard_rows, unit_params, zero_pass
 from autopar.placement import Shard, local_shape, parse_placement, shard_tensor
 from autopar.kernels.fused_linear_ce import triton_available
 from autopar.runtime.master_weights import MasterAdamW, WorkingWeights
+from autopar.runtime.offload import HostMasters, OffloadOptimizer, Zero1OffloadOptimizer, host_optimizer
 from autopar.runtime.pipeline import Pipeline
 from autopar.runtime.precision import LossScaler, WorkingCopies
 from autopar.runtime.zero import Zero1, clip_coefficient, scale_to_norm
@@ -56,6 +60,11 @@ class ParallelModel:
     (``loss_scaler``); a step whose gradients overflow on any rank leaves every rank's
     gradients None, so the optimizer skips it, and sets ``step_skipped``.
 
+    With ``plan.offload`` "optimizer" the fp32 master weights and the optimizer state live in
+    host memory and ``optimizer(cls, ...)`` steps them on the CPU (``autopar.runtime.offload``);
+    at bf16 the parameters on the device are then bf16 themselves. Any other optimizer over
+    ``parameters()`` raises at its ``step()``.
+
     ``graph_module`` is this rank's program as the passes left it (before any pipeline split),
     ``pass_seconds`` the (pass, seconds) each of them took (``autopar.passes.driver``)."""
 
@@ -69,6 +78,10 @@ class ParallelModel:
         # capture (which they leave as it is: the planner's graph); with pp > 1 the pipeline then
         # splits the result into its stages (pipeline_split_pass, the one step that makes several graphs)
         steps = []
+        self._device = _comm_device()
+        if any(n.meta["val"].device != self._device for n in cap.gm.graph.nodes
+               if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)):
+            steps.append((device_pass, dict(device=self._device)))   # captured on meta or another device
         if mesh.tp > 1:
             steps.append((shard_pass, dict(strategies=strategies, size=mesh.tp, rank=self.coords["tp"],
                                            group=self._tp_group)))
@@ -81,10 +94,14 @@ class ParallelModel:
             labels, units = zip(*((u.name, [n.name for n in u.nodes]) for u in zero_units(cap)))
             gathers = unit_params(cap.gm, units, set(cap.params))
             resharded = {k for k, label in enumerate(labels) if plan.zero == 3 and label not in plan.keep_gathered}
+            # a weight several units of one stage use (a tied embedding) is gathered once for all of them
+            shared = Counter(f for fqns in gathers.values() for f in fqns)
             steps.append((zero_pass, dict(units=units, rows={p.fqn: p.local_shape[0] for p in plan.parameters},
                                           group=self._dp_group, size=mesh.dp,
                                           dtype=compute_dtype(plan.precision) if plan.precision != "fp32" else None,
-                                          reshard=resharded)))
+                                          reshard=resharded,
+                                          recomputed={n for r in plan.recompute_regions for n in r},
+                                          once={f for f, n in shared.items() if n > 1} if mesh.pp == 1 else set())))
         # One microbatch on one stage: the 16-bit weight copies are cast inside the compiled graph,
         # where Inductor fuses them into its own kernels, instead of ~2 eager kernels per weight per
         # step. With several microbatches the copies are made once per step and shared (``WorkingCopies``).
@@ -104,7 +121,6 @@ class ParallelModel:
         self.graph_module = gm
         self._placement = {p.fqn: parse_placement(p.placements["tp"]) for p in plan.parameters}
         self._aliases = {p.fqn: p.aliases for p in plan.parameters}
-        self._device = _comm_device()
 
         def materialize(fqns):
             local = _materialize(model, cap, self._placement, mesh.tp, self.coords["tp"], fqns)
@@ -113,6 +129,11 @@ class ParallelModel:
             return {f: _dp_shard(q, mesh.dp, self.coords["dp"]) for f, q in local.items()}
 
         self._buffers = {fqn: b for fqn, b in model.named_buffers() if fqn in cap.buffers}
+        unknown = [fqn for fqn, b in self._buffers.items() if b.is_meta]
+        if unknown:
+            raise ValueError(f"the buffer(s) {', '.join(unknown)} are on the meta device, so their values are "
+                             "unknown: build the model on a real device, or register them again with their values "
+                             "before parallelize (module.register_buffer(name, tensor), e.g. a rotary table)")
         self._buffers.update(cap.constant_tensors(self._device))   # torch.export's lifted constants
         # the buffers the module's own state_dict holds: checkpoints and exports carry exactly these
         self._persistent_buffers = [fqn for fqn in model.state_dict(keep_vars=True) if fqn in self._buffers]
@@ -125,11 +146,20 @@ class ParallelModel:
             self._pipeline = Pipeline(gm, self._stage_of(cap, plan, units, gathers), plan, dmesh,
                                       rank=self.coords["pp"], materialize=materialize,
                                       buffers=self._buffers, device=self._device, prepare=self._casts,
-                                      loss_scale=lambda: self.loss_scale, wrap=lambda g: lower(g, compile))
+                                      loss_scale=lambda: self.loss_scale, wrap=lambda g: lower(g, compile, regather=plan.zero == 3))
             self._params = self._pipeline.params
         else:
             self._params = materialize(set(cap.params))
-            self._fn = lower(gm, compile)
+            self._fn = lower(gm, compile, regather=plan.zero == 3)
+        self._zero = (Zero1(self._params, {f for f in self._params if self._sharded(f)}, group=self._dp_group,
+                            size=mesh.dp, rank=self.coords["dp"], norm=self._norm) if plan.zero == 1 else None)
+        self._offload = None   # HostMasters with plan.offload: what pm.optimizer's optimizers step on the host
+        if plan.offload != "none":
+            if self._zero is not None:
+                self._offload = HostMasters({"slice": self._zero.shard})
+            else:   # at 16 bits the host copy is the master: the device keeps the 16-bit weights only
+                self._offload = HostMasters(self._params, dtype=None if plan.precision == "fp32"
+                                            else compute_dtype(plan.precision), keep_fp32=self._summed_params())
         self._cuda_graphs = compile in CUDA_GRAPH_MODES
         if self._cuda_graphs:   # replayed graphs read weights and buffers where they were recorded
             for t in [*self._params.values(), *self._buffers.values()]:
@@ -137,8 +167,6 @@ class ParallelModel:
         self._slots = [(n.meta.get("kind"), n.meta.get("fqn")) for n in gm.graph.nodes if n.op == "placeholder"]
         self._input_names = [n.name for n in cap.inputs]
         self._global_batch = plan.input_shapes[0][0] * mesh.dp * plan.microbatches if plan.input_shapes else None
-        self._zero = (Zero1(self._params, {f for f in self._params if self._sharded(f)}, group=self._dp_group,
-                            size=mesh.dp, rank=self.coords["dp"], norm=self._norm) if plan.zero == 1 else None)
         self._replaced = _adopt_shards(model, self._params, cap.params, self._device)
         self._ids = {id(p) for p in self._params.values()}
         # optimizers found able to step, with what they were checked against: the hook runs before
@@ -171,7 +199,8 @@ class ParallelModel:
     def _refuse_inert(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise if ``optimizer`` is about to step tensors whose gradients this model never fills
         (run before every torch optimizer's ``step``, by ``_guard_optimizer_steps``)."""
-        seen = (sum(len(g["params"]) for g in optimizer.param_groups), self._zero is None, self._master is None)
+        seen = (sum(len(g["params"]) for g in optimizer.param_groups), self._zero is None, self._master is None,
+                self._offload is None)
         if self._passed.get(optimizer) == seen:
             return
         held = [p for group in optimizer.param_groups for p in group["params"]]
@@ -181,11 +210,16 @@ class ParallelModel:
                                "them with this rank's shards, and those get no gradients: build the optimizer "
                                "after parallelize, over pm.parameters() (the model's parameters are now the "
                                "same tensors), or with pm.optimizer(...)")
-        if ((self._zero is None and self._master is None)
+        if ((self._zero is None and self._master is None and self._offload is None)
                 or (isinstance(optimizer, MasterAdamW) and optimizer.working is self._master)
                 or not any(id(p) in self._ids for p in held)):
             self._passed[optimizer] = seen
             return
+        if self._offload is not None:
+            raise RuntimeError(f"offload='optimizer': the fp32 master weights live in host memory and the step runs "
+                               f"there, so {name} over pm.parameters() (the device's working weights) would offload "
+                               f"nothing and, at 16 bits, update rounded weights; build it with "
+                               f"pm.optimizer({name}, ...)")
         if self._zero is not None:
             raise RuntimeError(f"zero=1: train_step reduce-scatters the gradients into the dp shard that "
                                f"pm.optimizer(...) steps and leaves p.grad of pm.parameters() None, so {name} "
@@ -198,7 +232,18 @@ class ParallelModel:
     def optimizer(self, cls=torch.optim.AdamW, **kwargs):
         """An optimizer over the local shards; with zero=1 its state is also sharded over dp.
         ``cls=autopar.MasterAdamW`` (bf16) also makes the graph compute on persistent bf16 copies
-        that the optimizer writes (``autopar.runtime.master_weights``)."""
+        that the optimizer writes (``autopar.runtime.master_weights``). With ``plan.offload``
+        "optimizer" ``cls`` steps fp32 host copies of the shards on the CPU
+        (``autopar.runtime.offload``)."""
+        if self._offload is not None:
+            if cls is MasterAdamW:
+                raise ValueError("offload='optimizer' already keeps the fp32 master weights (in host memory) and "
+                                 "writes the device's working weights after each step; use "
+                                 "pm.optimizer(torch.optim.AdamW, ...)")
+            inner = host_optimizer(cls, list(self._offload.masters.values()), **kwargs)
+            if self._zero is not None:
+                return Zero1OffloadOptimizer(self._zero, self._offload, inner)
+            return OffloadOptimizer(self._offload, inner)
         if cls is MasterAdamW:
             return MasterAdamW(self.parameters(), self._working_weights(), **kwargs)
         if self._zero is not None:
@@ -215,13 +260,17 @@ class ParallelModel:
             raise ValueError(f"MasterAdamW needs one bf16 forward and backward per step on one stage; this plan has "
                              f"{', '.join(why)}: use pm.optimizer(torch.optim.AdamW, ...)")
         if self._master is None:
-            summed = {n.meta.get("fqn") for n in self.graph_module.graph.nodes if n.op == "placeholder"
-                      and n.meta.get("kind") == "param" and any(u.target in C.COLLECTIVE_FUNCTIONS for u in n.users)}
-            self._master = WorkingWeights(self._params, compute_dtype(self.plan.precision), summed)
+            self._master = WorkingWeights(self._params, compute_dtype(self.plan.precision), self._summed_params())
             if self._cuda_graphs:
                 for t in self._master.copies.values():
                     torch._dynamo.mark_static_address(t)
         return self._master
+
+    def _summed_params(self) -> set[str]:
+        """The weights the graph feeds to a collective (``copy_to``: their gradients are summed over
+        tp), which keep an fp32 copy so that sum is not rounded to 16 bits."""
+        return {n.meta.get("fqn") for n in self.graph_module.graph.nodes if n.op == "placeholder"
+                and n.meta.get("kind") == "param" and any(u.target in C.COLLECTIVE_FUNCTIONS for u in n.users)}
 
     # ---- the step ------------------------------------------------------------------------
 
@@ -266,17 +315,17 @@ class ParallelModel:
                 total = self._microbatches(inputs, m)
         if self.mesh.dp > 1:
             total = C.all_reduce(total, self._dp_group) / self.mesh.dp
-            # (ZeRO-2/3: the gathers' backward already left every shard its dp-mean gradient)
-            if self._zero is not None:
-                self._zero.reduce_scatter_grads()
-            elif self._master is not None:
-                grads = self._master.grads()
-                self._master.use_reduced(dict(zip(grads, _all_reduce_mean(list(grads.values()), self._dp_group,
-                                                                           self.mesh.dp))))
-            elif not self._fsdp:
-                grads = [p.grad for p in self.parameters() if p.grad is not None]
-                for g, mean in zip(grads, _all_reduce_mean(grads, self._dp_group, self.mesh.dp)):
-                    g.copy_(mean)
+        # (ZeRO-2/3: the gathers' backward already left every shard its dp-mean gradient)
+        if self._zero is not None:   # at dp=1 too: the optimizer steps the slice, which only this fills
+            self._zero.reduce_scatter_grads()
+        elif self.mesh.dp > 1 and self._master is not None:
+            grads = self._master.grads()
+            self._master.use_reduced(dict(zip(grads, _all_reduce_mean(list(grads.values()), self._dp_group,
+                                                                       self.mesh.dp))))
+        elif self.mesh.dp > 1 and not self._fsdp:
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            for g, mean in zip(grads, _all_reduce_mean(grads, self._dp_group, self.mesh.dp)):
+                g.copy_(mean)
         if self.loss_scaler is not None:
             self._unscale_grads()
         return total
@@ -367,6 +416,21 @@ class ParallelModel:
         """The ZeRO-1 state (the flat dp slice its optimizer steps), None without ZeRO."""
         return self._zero
 
+    def stored_weights(self) -> dict[str, torch.Tensor]:
+        """Each local shard's weights at full precision, by FQN, shaped like ``named_parameters()``:
+        the parameters themselves, or with optimizer offload (below ZeRO-1) their fp32 masters in host
+        memory. What checkpoints save and load (and the tensors the offloaded optimizer holds)."""
+        masters = self._offload.masters if self._offload is not None and self._zero is None else {}
+        return {fqn: masters.get(fqn, p) for fqn, p in self._params.items()}
+
+    def weights_loaded(self) -> None:
+        """Bring every copy of the weights up to date after ``stored_weights()`` were loaded in place
+        (a checkpoint): ZeRO-1's slice from the shards, the device weights from offloaded masters."""
+        if self._zero is not None:
+            self._zero.refresh_slice()   # and, with offload, the slice's master at the next step
+        elif self._offload is not None:
+            self._offload.weights_in()
+
     def persistent_buffers(self) -> dict[str, torch.Tensor]:
         """The buffers the module's own ``state_dict`` holds (what checkpoints and exports carry), by FQN."""
         return {fqn: self._buffers[fqn] for fqn in self._persistent_buffers}
@@ -375,23 +439,34 @@ class ParallelModel:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered to its full shape (tied names included), on CPU; loads into the
-        unsharded model with ``load_state_dict(strict=False)`` (buffers are not included)."""
-        return self._gathered(lambda p: p.detach())
+        unsharded model with ``load_state_dict(strict=False)`` (buffers are not included); with
+        optimizer offload, the fp32 masters (``stored_weights``)."""
+        stored = self.stored_weights()
+        return self._gathered(lambda fqn: stored[fqn].detach())
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every parameter's gradient (after ``train_step``) gathered to its full shape, on CPU,
-        under the same names as ``full_state_dict``: what to compare with an unsharded model."""
+        under the same names as ``full_state_dict``: what to compare with an unsharded model.
+        With zero=1 they are the flat dp slices' gradients, all-gathered over dp first."""
+        if self._zero is not None:
+            z = self._zero
+            if z.shard.grad is None:
+                raise RuntimeError("full_grads() needs gradients: run train_step first")
+            with torch.no_grad():
+                flat = C.all_gather(z.shard.grad.detach(), 0, z.group, z.size, z.rank, z.total, False)
+            grads = {fqn: piece.view_as(p).float() for (fqn, p), piece
+                     in zip(self._params.items(), flat[:sum(z.sizes)].split(z.sizes))}
+            return self._gathered(lambda fqn: grads[fqn])
         if any(self._grad(p) is None for p in self._params.values() if p.requires_grad):
-            raise RuntimeError("full_grads() needs gradients: run train_step first (with zero=1 the "
-                               "gradients live in the optimizer's flat shard)")
-        return self._gathered(lambda p: self._grad(p).float())
+            raise RuntimeError("full_grads() needs gradients: run train_step first")
+        return self._gathered(lambda fqn: self._grad(self._params[fqn]).float())
 
     def _gathered(self, tensor_of) -> dict[str, torch.Tensor]:
         out = {}
         with torch.no_grad():
             for q in self.plan.parameters:
                 fqn, full, pl = q.fqn, q.shape, self._placement[q.fqn]
-                x = tensor_of(self._params[fqn]) if fqn in self._params else None
+                x = tensor_of(fqn) if fqn in self._params else None
                 if self._fsdp and x is not None:   # the dp shards, whole again
                     x = C.all_gather(x.to(self._device), 0, self._dp_group, self.mesh.dp, self.coords["dp"],
                                      q.local_shape[0], False)
@@ -411,12 +486,16 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 MODES = ("default", "max-autotune-no-cudagraphs", *CUDA_GRAPH_MODES)
 
 
-def lower(gm: torch.fx.GraphModule, compile):
+def lower(gm: torch.fx.GraphModule, compile, *, regather: bool = False):
     """``gm`` as a rank runs it: ``compile`` True lowers through Inductor, one of ``MODES`` through
     Inductor in that torch.compile mode, another string or a callable names a torch.compile
-    backend (e.g. "aot_eager"), False runs it eagerly."""
+    backend (e.g. "aot_eager"), False runs it eagerly. ``regather`` (ZeRO-3): Inductor re-gathers
+    the weights in the backward instead of saving the forward's gathered copies
+    (``autopar.overlap.RegatherInBackward``; AOTAutograd would otherwise merge the two gathers)."""
     if not compile:
         return gm
+    if compile is True and regather:
+        return torch.compile(gm, options={"joint_custom_pre_pass": RegatherInBackward()})
     if compile is True or compile in MODES:
         return torch.compile(gm, mode=None if compile is True else compile)
     return torch.compile(gm, backend=compile)
@@ -440,7 +519,7 @@ def _all_reduce_mean(tensors, group: str, size: int) -> list[torch.Tensor]:
     dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors), torch.float32)
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=_comm_device())
     torch.cat([t.reshape(-1) for t in tensors], out=flat)
-    flat = C.all_reduce(flat, group) / size
+    C.all_reduce_mean_(flat, group, size)
     return [piece.view_as(t) for t, piece in zip(tensors, flat.split([t.numel() for t in tensors]))]
 
 

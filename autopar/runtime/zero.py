@@ -35,8 +35,9 @@ class Zero1:
         self.shard = torch.nn.Parameter(self._flat(self.params)[self.lo:self.lo + self.chunk].clone())
 
     def _flat(self, tensors):
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        return torch.nn.functional.pad(flat, (0, self.total - flat.numel()))
+        flat = tensors[0].new_zeros(self.total)   # one buffer, zero past the end: no padded second copy
+        torch.cat([t.detach().reshape(-1) for t in tensors], out=flat[:sum(self.sizes)])
+        return flat
 
     def make_optimizer(self, cls, **kwargs):
         return Zero1Optimizer(self, cls([self.shard], **kwargs))

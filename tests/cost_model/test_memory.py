@@ -77,3 +77,26 @@ def test_peak_walks_the_backward(precision):
     # one microbatch's gradients arrive while its activations are freed, and the loss's gradient
     # buffers come after the logits die: less than holding every gradient and the largest transient
     assert one.peak < one.params + param_bytes + one.optimizer + one.activations + largest
+
+
+def test_tied_head_keeps_its_gradient_operands_to_the_sum():
+    """A tied table's gradient is one sum, made where the backward reaches the embedding (Inductor
+    folds the head's weight-gradient matmul into it): until then the logits' gradient and the head's
+    input stay alive and the table's gradient does not exist; weights gathered per unit (ZeRO-2/3)
+    reduce each use's gradient apart, as the walk without the sum counts them."""
+    from autopar.cost_model.memory import backward_excess, compiled_kept
+    from autopar.examples.gpt import example_inputs
+
+    model = build("tiny", device="meta", n_layer=2, block_size=64, vocab_size=512)
+    cap, strategies, _ = decide(model, (1, 1, 1), example_inputs(model.config, 8, 64, device="meta"), device="cpu")
+    nodes = [n for n in cap.gm.graph.nodes if n.op == "call_function"]
+    kept = compiled_kept(nodes, strategies, 1)
+    grads = {p: 4.0 * p.meta["val"].numel() for p in cap.params.values()}
+    summed = dict(backward_excess(nodes, kept, strategies, 1, grads, False))
+    apart = dict(backward_excess(nodes, kept, strategies, 1, grads, False, whole_weights=False))
+    table = next(p for p in cap.params.values() if len(p.users) > 1)
+    head = next(u for u in table.users if u.target is torch.ops.aten.linear.default)
+    before = max((n for n in summed if nodes.index(n) < nodes.index(head)), key=nodes.index)   # the last block's
+    logits_grad, head_input = (4.0 * t.meta["val"].numel() for t in (head, head.args[0]))
+    assert summed[head] == pytest.approx(apart[head] - grads[table])
+    assert summed[before] == pytest.approx(apart[before] + logits_grad + head_input - grads[table])

@@ -1,0 +1,84 @@
+"""Offline mesh rankings (meta device, no GPU): what mesh="auto" with zero="auto" and
+recompute="auto" chooses for Llama-3-shaped models on H100s, and why.
+
+    python bench/rankings.py            # every case
+    python bench/rankings.py 8b         # one case, by name
+
+Each case prints the planning time, the ranking table (the plan notes), and the winner's predicted
+tokens/s per GPU. Llama shapes are Hugging Face ``LlamaForCausalLM`` configs built on the meta device
+(Llama 3.1 8B and 70B: vocabulary 128,256, GQA with 8 key/value heads, SwiGLU).
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import autopar
+import autopar.hf
+from autopar.examples.gpt import build, example_inputs
+
+LLAMA = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64),
+}
+
+# name: (model, gpus, global batch, sequence, budget, what the case is about)
+CASES = {
+    "8b": ("llama-8b", 8, 16, 8192, "80GiB", "Llama 3.1 8B on one 8-GPU node; torchtitan's published run is "
+           "FSDP 8, compile, local batch 2 (global 16), seq 8192, selective AC: 6,667 tokens/s/GPU on "
+           "H100 96 GB at 500 W"),
+    "8b-96": ("llama-8b", 8, 16, 8192, "96GB", "the same on torchtitan's 96 GB H100s"),
+    "70b": ("llama-70b", 64, 64, 8192, "80GiB", "Llama 3.1 70B on 8 nodes of 8"),
+    "175b": ("gpt3-175b", 512, 1536, 2048, "80GiB", "GPT-3 175B on 64 nodes of 8 (Megatron's 2021 run: "
+             "tp 8, pp 12 on 1,536 A100s)"),
+}
+
+
+def _model(name: str, seq: int):
+    if name.startswith("llama-"):
+        from transformers import LlamaConfig, LlamaForCausalLM
+        cfg = LlamaConfig(vocab_size=128256, num_key_value_heads=8, max_position_embeddings=seq,
+                          rope_theta=500000.0, **LLAMA[name.split("-")[1]])
+        with torch.device("meta"):
+            return autopar.hf.causal_lm_loss(LlamaForCausalLM(cfg))
+    return build(name, device="meta")
+
+
+def _inputs(model, name: str, batch: int, seq: int):
+    if name.startswith("llama-"):
+        idx = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+        return idx, idx
+    return example_inputs(model.config, batch, seq, device="meta")
+
+
+def run(case: str) -> None:
+    name, gpus, batch, seq, budget, about = CASES[case]
+    model = _model(name, seq)
+    inputs = _inputs(model, name, batch, seq)
+    params = sum(p.numel() for p in model.parameters())
+    start = time.perf_counter()
+    plan = autopar.plan(model, "auto", inputs, world_size=gpus, device="h100", zero="auto", recompute="auto",
+                        precision="bf16", memory_budget=budget, sequence_parallel="auto")
+    seconds = time.perf_counter() - start
+    tokens = batch * seq / plan.predicted_step_time / gpus
+    print(f"## {case}: {name} ({params / 1e9:.2f}B parameters), {gpus} H100, batch {batch} x {seq}, "
+          f"budget {budget}\n{about}\n")
+    print(f"planned in {seconds:.1f} s; chosen {plan.mesh} zero={plan.zero} "
+          f"recompute {plan.recompute} ({len(plan.recompute_regions)} regions); predicted {plan.predicted_step_time * 1e3:.1f} ms/step, "
+          f"{tokens:,.0f} tokens/s/GPU, MFU {plan.predicted_mfu:.1%}\n")
+    for note in plan.notes:
+        print(note)
+    print()
+
+
+def main(argv: list[str]) -> None:
+    for case in argv or list(CASES):
+        if case not in CASES:
+            raise SystemExit(f"unknown case {case!r}; cases: {', '.join(CASES)}")
+        run(case)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
