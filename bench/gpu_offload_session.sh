@@ -11,7 +11,7 @@ for d in passes cost_model kernels examples; do cp -r "$d" "/tmp/pkg/autopar/$d"
 export PYTHONPATH=/tmp/pkg
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; free -g | head -2; nproc
-python - <<'PY' 2>&1 | tee "$OUT/host_calibration.txt"
+(cd /tmp && python - <<'PY') 2>&1 | tee "$OUT/host_calibration.txt"
 import torch
 from autopar.cost_model.calibrate import measure_host_adam, measure_host_copies
 for n in (2**28, 2**30):
