@@ -70,11 +70,14 @@ def pipeline_time(stage_times, p: int, m: int, v: int, *, add=math.fsum, maximum
     return m * maximum(ranks) + (p - 1) * maximum(stage_times)
 
 
-def state_bytes_per_param_byte(mesh, zero: int, working_copy: float = 0.0) -> float:
+def state_bytes_per_param_byte(mesh, zero: int, working_copy: float = 0.0, offload: bool = False) -> float:
     """Parameter + gradient + Adam's two moments (the moments sharded over dp from ZeRO-1 on, the
     weights and gradients too from ZeRO-2 on), plus a 16-bit working copy's share
     (``autopar.passes.precision.working_copy_ratio``); ZeRO-2 and 3's gathered weights are the
-    stage's, not a unit's (``memory.param_state``)."""
+    stage's, not a unit's (``memory.param_state``). ``offload``: the device keeps the weights and
+    gradients alone, as ``param_state(offload=True)`` does."""
+    if offload:
+        return 2.0 / mesh.dp if zero >= 2 and mesh.dp > 1 else 2.0 * (working_copy or 1.0)
     if zero >= 2 and mesh.dp > 1:
         return 4.0 / mesh.dp
     if zero == 1:   # the moments and the flat copy of the slice they step (``memory.param_state``)

@@ -311,16 +311,6 @@ def _decide_offload(model, mesh, example_inputs, *, offload, memory_budget, devi
     return best
 
 
-def _state_bytes(mesh: Mesh, zero: int, working_copy: float, offload: str) -> float:
-    """Device bytes per fp32 parameter byte that the tp ILP's memory budget counts: those of
-    ``state_bytes_per_param_byte``; offloaded, the weights and gradients alone, as
-    ``param_state(offload=True)`` keeps them (1/dp of fp32 ones under ZeRO-2/3, else each at the
-    working dtype)."""
-    if offload == "none":
-        return state_bytes_per_param_byte(mesh, zero, working_copy)
-    return 2.0 / mesh.dp if zero >= 2 and mesh.dp > 1 else 2.0 * (working_copy or 1.0)
-
-
 def _decide_zero(model, mesh, example_inputs, *, zero, memory_budget, device, **knobs) -> Decision:
     """``_decide`` at ``zero``; for zero="auto", at every ZeRO stage dp can shard, keeping the fastest
     that fits the memory budget (the device's memory by default), else the one with the least peak.
@@ -383,7 +373,8 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
             options = megatron_options(cap, options, sequence_parallel is not False)
         assignment = solve(cap, options, mesh.tp, dev, inter_node=mesh.tp > gpus_per_node,
                            memory_budget=parse_bytes(memory_budget) if recompute != "auto" else None,
-                           param_state_bytes=_state_bytes(mesh, zero, working_copy_ratio(cap), offload),
+                           param_state_bytes=state_bytes_per_param_byte(mesh, zero, working_copy_ratio(cap),
+                                                                       offload != "none"),
                            param_byte_seconds=param_byte_time(mesh, dev, zero=zero, working_copy=precision != "fp32",
                                                               gpus_per_node=gpus_per_node))
     else:
