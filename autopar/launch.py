@@ -289,6 +289,18 @@ def _stop(procs):
 _ENVIRON_LOCK = threading.Lock()
 
 
+def environment() -> dict[str, str]:
+    """A copy of this process's environment, as it is outside the moments `spawn` starts a rank.
+
+    `spawn` sets a rank's RANK, WORLD_SIZE and MASTER_* in this process's environment while that
+    rank's process starts (a spawned child copies its parent's environment). A subprocess another
+    thread starts meanwhile would inherit them and take itself for a rank; start it with
+    ``env=autopar.launch.environment()`` instead of the inherited environment.
+    """
+    with _ENVIRON_LOCK:
+        return dict(os.environ)
+
+
 @contextlib.contextmanager
 def _environ(values):
     """Sets environment variables for the duration of the block, then restores the previous ones.

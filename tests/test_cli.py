@@ -1,20 +1,12 @@
 """The command line as a user runs it: `python -m autopar plan ...` and `python -m autopar demo`."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-
-def _autopar(*args, timeout=120, cwd=None):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore::FutureWarning", "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "autopar", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=cwd)
-
+from cli import autopar as _autopar
 
 MYMODEL = ("from autopar.examples.gpt import GPT, GPTConfig\n"
            "def make():\n"

@@ -1,7 +1,6 @@
 """One rank failing mid-step (raising, or killed) stops every rank within a bounded time and names it."""
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -10,6 +9,7 @@ import pytest
 import torch
 
 import autopar
+import cli
 from autopar.examples.gpt import GPT, GPTConfig, example_inputs
 from autopar.launch import RankError, free_port, spawn
 from autopar.runtime.parallel_model import ParallelModel
@@ -96,12 +96,11 @@ _TORCHRUN_SCRIPT = textwrap.dedent("""
 def test_torchrun_rank_failure_ends_the_job(tmp_path, failure, expected):
     script = tmp_path / "job.py"
     script.write_text(_TORCHRUN_SCRIPT.format(failure=failure))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
-    done = subprocess.run(
+    done = cli.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
          "--master-port", str(free_port()), str(script)],
-        check=False, capture_output=True, text=True, timeout=BOUND_S + 30, env=env, cwd=tmp_path)
+        timeout=BOUND_S + 30, cwd=tmp_path, OMP_NUM_THREADS="1")
     assert time.monotonic() - start < BOUND_S
     assert done.returncode != 0
     # torchrun's closing report names the failed rank and, from guard's error file, its error.

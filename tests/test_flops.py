@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,6 +12,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import autopar
+import cli
 import pool
 from autopar.planner.decide import decide
 from autopar.cost_model import DEVICES
@@ -191,9 +189,7 @@ def test_model_flops_agree_with_6nd_plus_attention():
 
 
 def _autopar(*args, timeout=300):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "autopar", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return cli.autopar(*args, timeout=timeout, PYTHONWARNINGS="ignore")
 
 
 def test_cli_flops_tiny_and_gpt3_175b():

@@ -3,22 +3,18 @@ peak, an edited plan's source, diffs of re-derived plans, and a shard of a dim a
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 import autopar
+import cli
 from autopar.examples.gpt import build, example_inputs
 from autopar.placement import Shard, local_shape
 
 
 def _autopar(*args, timeout=180):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore::FutureWarning", "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "autopar", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return cli.autopar(*args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 import warnings
 
@@ -12,6 +11,7 @@ import torch
 import autopar
 from autopar import api
 from autopar.cost_model import preset_for_gpu
+import cli
 import pool
 from parity import BATCH, SEQ, TINY, make_model
 from autopar.examples.gpt import example_inputs
@@ -22,7 +22,7 @@ def test_submodules_work_after_a_plain_import():
     ``import autopar`` alone; a fresh interpreter has imported neither."""
     code = ("import sys, autopar; assert 'autopar.launch' not in sys.modules; "
             "print(callable(autopar.launch.guard), callable(autopar.checkpoint.save_checkpoint))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = cli.run([sys.executable, "-c", code], check=True)
     assert out.stdout.split() == ["True", "True"]
     with pytest.raises(AttributeError, match="no attribute 'no_such_thing'"):
         autopar.no_such_thing

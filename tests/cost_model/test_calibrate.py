@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +14,7 @@ from autopar.cost_model.comm import collective_bytes_on_wire
 from autopar.cost_model.compute import matmul_rate
 from autopar.cost_model.devices import AttentionSample, CollectiveFit, MatmulSample
 from autopar.examples.gpt import build, example_inputs
+import cli
 import pool
 
 
@@ -24,9 +22,7 @@ import pool
 def profile(tmp_path_factory):
     """A quick calibration of this machine, run as a user runs it."""
     path = tmp_path_factory.mktemp("calibrate") / "device.json"
-    env = {**os.environ, "PYTHONWARNINGS": "ignore::FutureWarning"}
-    r = subprocess.run([sys.executable, "-m", "autopar", "calibrate", "--quick", "--out", str(path)],
-                       capture_output=True, text=True, timeout=300, env=env)
+    r = cli.autopar("calibrate", "--quick", "--out", str(path), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"profile written to {path}" in r.stdout
     return path
@@ -48,9 +44,7 @@ def test_quick_calibration_writes_a_profile_that_loads(profile):
     # the quick mode's promise on a CPU (with slack for a machine shared by other jobs)
     assert data["calibration"]["seconds"] < 60
 
-    env = {**os.environ, "PYTHONWARNINGS": "ignore::FutureWarning", "COLUMNS": "200"}
-    r = subprocess.run([sys.executable, "-m", "autopar", "plan", "tiny", "--mesh", "1,1,1", "--device", str(profile)],
-                       capture_output=True, text=True, timeout=300, env=env)
+    r = cli.autopar("plan", "tiny", "--mesh", "1,1,1", "--device", str(profile), timeout=300)
     assert r.returncode == 0, r.stderr
     assert "for mesh dp=1 pp=1 tp=1 on cpu (measured)" in r.stdout
 
