@@ -8,6 +8,11 @@ from autopar.examples.gpt import GPTConfig, GPT, example_inputs
 
 TINY = GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_embd=32)
 BATCH, SEQ = 4, 12
+# The ZeRO tests that run Inductor (test_zero_memory, test_zero_overlap) compile this model at this
+# batch on (2, 1, 1): one zero=3 compile serves both through Inductor's cache. Parameters are about
+# 7 MB and activations about 38 MB per rank, far above a step's bookkeeping tensors.
+ZERO_CFG = GPTConfig(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=256)
+ZERO_BATCH, ZERO_SEQ = 16, 128
 
 
 def make_model(cfg: GPTConfig = TINY, seed: int = 0) -> GPT:

@@ -108,7 +108,9 @@ def _inductor_run(rank, world, path):
     import os
 
     from parity import parallel_run
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(path, f"inductor-{rank}")   # a cold cache: Inductor really compiles
+    # a cold cache: Inductor really compiles; one for both ranks, so that a kernel both ranks
+    # need is built once (Inductor locks it while one builds it, and the other loads it)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(path, "inductor")
     return parallel_run(rank, world, (1, 1, 2), dict(plan="megatron", sequence_parallel=True, compile=True))
 
 

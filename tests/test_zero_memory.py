@@ -41,13 +41,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import autopar
 import pool
-from autopar.examples.gpt import GPTConfig, example_inputs
-from parity import make_model
+from autopar.examples.gpt import example_inputs
+from parity import ZERO_BATCH as BATCH, ZERO_CFG as CFG, ZERO_SEQ as SEQ, make_model
 
-# parameters about 7 MB and activations about 38 MB per rank at (2, 1, 1): both far above the
-# step's bookkeeping tensors, and one step is a fraction of a second on one core
-CFG = GPTConfig(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=256)
-BATCH, SEQ = 16, 128
 COMPILE = True
 CASES = [((2, 1, 1), 0), ((2, 1, 1), 1), ((2, 1, 1), 2), ((2, 1, 1), 3)]
 TOLERANCE = 0.10

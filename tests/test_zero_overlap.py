@@ -1,6 +1,6 @@
 """ZeRO-3's prefetch and overlap: in the rank graph, in the compiled per-rank code, and priced.
 
-The compiled tests run one zero=3 rank graph of the tiny GPT (two blocks) on 2 gloo ranks, eager
+The compiled tests run one zero=3 rank graph of a small GPT (two blocks) on 2 gloo ranks, eager
 and through Inductor's C++ backend with overlap on (``autopar.overlap.overlap_backend``, mode
 "peak-memory"), and read the generated wrapper code, telling units apart by the parameter shard
 each all-gather reads: in the forward, each block's and the head's all-gathers are launched before
@@ -138,11 +138,13 @@ def test_zero_pass_launches_each_gather_where_the_unit_before_starts():
 def _step(rank, world, compile_):
     import autopar
     from autopar import collectives as C
-    from parity import SEQ, TINY, make_model
+    from parity import ZERO_BATCH, ZERO_CFG, ZERO_SEQ, make_model
     from torch._inductor.utils import run_and_get_code
 
-    model = make_model()
-    idx, tgt = example_inputs(TINY, 8, SEQ)
+    # test_zero_memory's model and batch: its zero=3 compile (the pool runs it first) is this
+    # one's plain-Inductor run, from Inductor's cache
+    model = make_model(ZERO_CFG)
+    idx, tgt = example_inputs(ZERO_CFG, ZERO_BATCH, ZERO_SEQ)
     pm = autopar.parallelize(model, (2, 1, 1), (idx, tgt), zero=3, compile=compile_)
     if compile_:
         loss, codes = run_and_get_code(pm.train_step, idx, tgt)
