@@ -431,11 +431,12 @@ def _curves(samples) -> dict[Any, tuple[tuple[float, ...], tuple[float, ...]]]:
             for k, pts in by_key.items()}
 
 
-# Optimizer offload on an H100/H200 host (PCIe Gen5 x16 to each GPU: 64 GB/s raw per direction,
-# of which pinned copies reach about 53 GB/s each way), and torch's fused CPU AdamW taking about
-# 0.23 s per 1e9 fp32 parameters on 16 cores (~4.3e9 parameters/s): the figures given for the
-# lent H200's host, not measured in this repository; `python -m autopar calibrate` measures both.
-HOPPER_HOST_BANDWIDTH = 53e9
+# Optimizer offload on an H100/H200 host (PCIe Gen5 x16 to each GPU: 64 GB/s raw per direction).
+# Measured on an H200 host (16 cores, torch 2.11) with `python -m autopar calibrate` and
+# cost_model.calibrate's measure_host_copies / measure_host_adam: pinned copies of 256 MiB and
+# 1 GiB at 55.2-55.5 GB/s each way; torch's fused CPU AdamW at 4.18e9 fp32 parameters/s over
+# 6.7e7 parameters and 4.34e9 over 2.7e8 (the larger, as an offloaded model's shard is).
+HOPPER_HOST_BANDWIDTH = 55e9
 HOPPER_HOST_ADAM_RATE = 4.3e9
 
 # Presets. Peak numbers are dense (no 2:4 sparsity) from NVIDIA's public data sheets; latencies
