@@ -7,8 +7,8 @@
 autopar.parallelize(mesh=(1,1,1), zero=0, precision="bf16", offload="optimizer",
 recompute="full"): the GPU keeps the bf16 weights and their gradients (4 bytes per parameter) and
 the activations of the recomputed blocks' inputs; the host keeps the fp32 masters and AdamW's two
-moments (12 bytes per parameter: 109 GB for 9.07e9, on a host of 125 GB) and one staged chunk of
-gradients (``autopar.runtime.offload.CHUNK``).
+moments (12 bytes per parameter: 109 GB for 9.07e9, on a host of 125 GB) and two staged chunks of
+gradients (``autopar.cost_model.compute.OFFLOAD_CHUNK`` elements each, in turn).
 
 The model is built in fp32 directly on the GPU (36 GB for 9B, the build's peak there), so no full
 copy of it ever exists in host memory next to the optimizer state: ``parallelize`` copies each

@@ -278,21 +278,39 @@ def update_time(param_bytes: float, dev: DeviceSpec, *, working_copy: bool, opti
     return optimizer + casts
 
 
-def offload_update_time(params: float, dev: DeviceSpec) -> float:
-    """Seconds of an offloaded AdamW step over ``params`` fp32 parameters (ZeRO-Offload's):
+# Gradient elements an offloaded step stages on the host at once (1 GiB of fp32): large enough that
+# a chunk's copies and its optimizer call dwarf their fixed costs, small beside the 12 bytes per
+# parameter of the masters and AdamW's moments. The runtime's chunk (runtime/offload.py).
+OFFLOAD_CHUNK = 2**28
 
-        4 * params / host_bandwidth     the fp32 gradients copied out, after backward
-      + params / host_adam_rate         the CPU's AdamW over the fp32 masters
-      + 4 * params / host_bandwidth     the updated fp32 weights copied back in
 
-    None of it is counted as overlapped: the runtime copies a gradient out once the step's
-    backward (one compiled autograd node, whose gradients all land at its end) and its dp sum
-    are done. Raises ValueError when the device profile does not say how fast its host is."""
+def offload_update_time(params: float, dev: DeviceSpec, *, chunk: int = OFFLOAD_CHUNK) -> float:
+    """Seconds of an offloaded AdamW step over ``params`` fp32 parameters (ZeRO-Offload's), run in
+    chunks of ``chunk`` parameters: chunk i's gradients copied out (4 bytes each, at
+    ``host_bandwidth``), the CPU's AdamW over its masters (at ``host_adam_rate``), its weights
+    copied back in. The copies of one chunk overlap the host's update of the chunk before or after
+    (the copy streams run both ways at once, and each chunk's gradients have their own staging
+    buffer), so with n chunks, copy_i = 4 p_i / host_bandwidth and host_i = p_i / host_adam_rate:
+
+        copy_1 + sum_i max(host_i, copy_{i+1}, copy_{i-1}) + copy_n
+
+    (a missing neighbour counts 0). None of it overlaps the backward: the runtime copies a
+    gradient out once the step's backward (one compiled autograd node, whose gradients all land at
+    its end) and its dp sum are done. Without a GPU the copies are plain host copies, in turn.
+    Raises ValueError when the device profile does not say how fast its host is."""
     if not dev.host_bandwidth or not dev.host_adam_rate:
         raise ValueError(f"device {dev.name!r} has no host_bandwidth / host_adam_rate, which optimizer offload "
                          "is priced with: measure them with `python -m autopar calibrate --out dev.json`, or add "
                          "them to the profile (bytes/s of pinned copies each way; fp32 parameters/s of CPU AdamW)")
-    return 2 * 4.0 * params / dev.host_bandwidth + params / dev.host_adam_rate
+    if params <= 0:
+        return 0.0
+    full, rest = divmod(params, chunk)
+    sizes = [float(chunk)] * int(full) + ([rest] if rest else [])
+    copy = [4.0 * p / dev.host_bandwidth for p in sizes]
+    host = [p / dev.host_adam_rate for p in sizes]
+    n = len(sizes)
+    middle = sum(max(host[i], copy[i + 1] if i + 1 < n else 0.0, copy[i - 1] if i else 0.0) for i in range(n))
+    return copy[0] + middle + copy[-1]
 
 
 def matmul_rate(flops, dev: DeviceSpec, dtype: torch.dtype | str):

@@ -8,6 +8,10 @@ import os
 # the tests check (the collectives' order, parity, memory) depends on the vectorisation. Set
 # before any test imports Inductor; the pooled ranks start with this environment. A user's value wins.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+# The pooled ranks keep the cores busy while this process runs its own tests: one intra-op thread
+# here (and in the subprocesses tests start) rather than threads that contend with the ranks for
+# the same cores. Ranks that autopar.launch.spawn starts get their own share (its OMP_NUM_THREADS).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(items):

@@ -6,17 +6,21 @@ each tensor the optimizer updates (pinned when CUDA is available, so the copies 
 rank's local shards (its dp shards under ZeRO-2/3), or under ZeRO-1 its flat dp slice. The torch
 optimizer that ``pm.optimizer(cls, ...)`` builds steps those host copies on the CPU (fused where
 torch has a CPU kernel for ``cls``, else foreach). A step runs over the tensors in chunks of
-about ``CHUNK`` elements, each
+about ``OFFLOAD_CHUNK`` elements, each
 
     gradients out     each device gradient, cast to fp32 on the device, copied into the chunk's
-                      part of one pinned staging buffer (non_blocking, then one synchronize)
+                      pinned staging buffer
     host update       the CPU optimizer over the chunk's fp32 masters (the only ones with a
                       gradient then: a torch optimizer skips the rest)
     weights in        each master copied back to the device and cast there to the parameter's
                       dtype (a bf16 working weight gets the rounding)
 
-so the host holds the masters and the optimizer state (12 bytes per parameter for AdamW) plus
-one chunk of gradients, not a second full fp32 copy for them.
+On a GPU the copies run on two side streams, one each way, so that they overlap the host's
+work: chunk i+1's gradients travel out and chunk i-1's weights in while the CPU updates chunk i
+(two staging buffers take turns; ``cost_model.compute.offload_update_time`` prices this
+pipeline). Without a GPU the three run in turn. Either way the host holds the masters and the
+optimizer state (12 bytes per parameter for AdamW) plus at most two chunks of gradients, not a
+second full fp32 copy for them.
 
 With bf16 the host copy is the master weight: the device parameters themselves become bf16 (no
 fp32 copy stays on the device), except those whose gradient the graph sums over tp (a replicated
@@ -33,17 +37,14 @@ it and back.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
 import torch
 
+from autopar.cost_model.compute import OFFLOAD_CHUNK
 from autopar.runtime.zero import Zero1, Zero1Optimizer
-
-# elements of gradient staged on the host at once (1 GiB of fp32): large enough that a chunk's
-# copies and its optimizer call dwarf their fixed costs, small beside the 12 bytes per parameter
-# of the masters and AdamW's moments
-CHUNK = 2**28
 
 
 class HostMasters:
@@ -56,7 +57,7 @@ class HostMasters:
     ``chunk``: gradient elements staged at once (at least the largest tensor's)."""
 
     def __init__(self, device: dict[str, torch.Tensor], *, dtype: torch.dtype | None = None,
-                 keep_fp32=frozenset(), chunk: int = CHUNK):
+                 keep_fp32=frozenset(), chunk: int = OFFLOAD_CHUNK):
         self.pinned = torch.cuda.is_available()
         self.device = {k: t for k, t in device.items() if t.numel() and t.requires_grad}
         with torch.no_grad():
@@ -67,8 +68,12 @@ class HostMasters:
                     if k not in keep_fp32:
                         t.data = t.data.to(dtype)
         self.chunks = _chunks({k: t.numel() for k, t in self.device.items()}, chunk)
-        self._staging = _host_empty(max((sum(self.device[k].numel() for k in c) for c in self.chunks), default=0),
-                                    self.pinned)
+        cuda = self.pinned and any(t.is_cuda for t in self.device.values())
+        # (gradients out, weights in): the copy streams of a GPU; without one, copies run in turn
+        self._streams = (torch.cuda.Stream(), torch.cuda.Stream()) if cuda else None
+        largest = max((sum(self.device[k].numel() for k in c) for c in self.chunks), default=0)
+        self._staging = [_host_empty(largest, self.pinned)
+                         for _ in range(2 if cuda and len(self.chunks) > 1 else 1)]
         self._version = {k: t._version for k, t in self.device.items()}
 
     @torch.no_grad()
@@ -80,34 +85,51 @@ class HostMasters:
                 self._version[k] = t._version
 
     @torch.no_grad()
-    def grads_out(self, names) -> None:
-        """The gradients of ``names`` (one chunk) into the staging buffer, as their masters'
-        gradients (fp32); a master whose tensor has no gradient gets none, so the optimizer leaves it."""
-        at = 0
-        for k in names:
-            g, master = self.device[k].grad, self.masters[k]
-            if g is None:
-                master.grad = None
-                continue
-            view = self._staging[at:at + g.numel()].view(g.shape)
-            at += g.numel()
-            # cast on the device: a copy that converts on its way to the host would not be DMA
-            view.copy_(g.float(), non_blocking=self.pinned)
-            master.grad = view
-        _synchronize()
+    def grads_out(self, names, staging: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Starts copying the gradients of ``names`` (one chunk), cast to fp32, into ``staging``;
+        returns name -> its gradient's view of ``staging`` (none for a tensor with no gradient, so
+        that the optimizer leaves its master). On a GPU the copies run on the outgoing stream:
+        wait for the event ``_launch`` records before reading the views."""
+        views, at = {}, 0
+        with _on(self._streams, 0):
+            for k in names:
+                g = self.device[k].grad
+                if g is None:
+                    continue
+                if self._streams is not None:
+                    g.record_stream(self._streams[0])   # the step may drop the gradient before the copy ends
+                views[k] = staging[at:at + g.numel()].view(g.shape)
+                at += g.numel()
+                # cast on the device: a copy that converts on its way to the host would not be DMA
+                views[k].copy_(g.float(), non_blocking=self.pinned)
+        return views
 
     @torch.no_grad()
-    def weights_in(self, names=None) -> None:
-        """The masters of ``names`` (default all) back into their device tensors, at those tensors' dtypes."""
-        for k in self.device if names is None else names:
-            t, master = self.device[k], self.masters[k]
-            # the fp32 weight crosses once and is cast on the device, where the bf16 copy lives
-            t.copy_(master.to(t.device, non_blocking=self.pinned) if t.device != master.device else master)
-            self._version[k] = t._version
+    def weights_in(self, names=None, *, wait: bool = True) -> None:
+        """The masters of ``names`` (default all) copied back into their device tensors, at those
+        tensors' dtypes; with ``wait=False`` (``step``) the copies may still run on the incoming
+        stream when this returns."""
+        with _on(self._streams, 1):
+            for k in self.device if names is None else names:
+                t, master = self.device[k], self.masters[k]
+                # the fp32 weight crosses once and is cast on the device, where the bf16 copy lives
+                t.copy_(master.to(t.device, non_blocking=self.pinned) if t.device != master.device else master)
+                self._version[k] = t._version
+        if wait:
+            self._landed()
+
+    def _landed(self) -> None:
+        """Waits for the incoming copies (a master may change once they are done: a load, the next
+        step) and orders the device's next work after them."""
+        if self._streams is not None:
+            self._streams[1].synchronize()
+            torch.cuda.current_stream().wait_stream(self._streams[1])
 
     def step(self, inner: torch.optim.Optimizer, closure=None):
         """One offloaded step of ``inner`` (over the masters): changed device tensors in, then per
-        chunk its gradients out, ``inner`` over it on the host, its weights back."""
+        chunk its gradients out, ``inner`` over it on the host, its weights back; the next chunk's
+        gradients are already on their way while the host updates this one. Every copy has
+        landed when it returns."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -115,13 +137,34 @@ class HostMasters:
         self.pull_changed()
         for master in self.masters.values():
             master.grad = None
-        for names in self.chunks:
-            self.grads_out(names)
+        if self._streams is not None:   # the side streams start after the backward and the dp sum
+            for stream in self._streams:
+                stream.wait_stream(torch.cuda.current_stream())
+        ahead = self._streams is not None   # copies that run beside the host's update
+        pending = self._launch(0)
+        for i, names in enumerate(self.chunks):
+            views, copied = pending
+            if ahead:
+                pending = self._launch(i + 1)   # into the other staging buffer, during this chunk's update
+            if copied is not None:
+                copied.synchronize()
+            for k, view in views.items():
+                self.masters[k].grad = view
             inner.step()
-            for k in names:
-                self.masters[k].grad = None   # the staging buffer is the next chunk's
-            self.weights_in(names)
+            for k in views:
+                self.masters[k].grad = None   # this staging buffer is chunk i+2's (i+1's with one buffer)
+            self.weights_in(names, wait=False)
+            if not ahead:
+                pending = self._launch(i + 1)
+        self._landed()
         return loss
+
+    def _launch(self, i: int):
+        """(views, event) of chunk ``i``'s gradients, copying out; ((), None) past the last chunk."""
+        if i >= len(self.chunks):
+            return {}, None
+        views = self.grads_out(self.chunks[i], self._staging[i % len(self._staging)])
+        return views, self._streams[0].record_event() if self._streams is not None else None
 
     def zero_grad(self) -> None:
         """Drop the device gradients."""
@@ -225,7 +268,6 @@ def _host_empty(numel: int, pinned: bool) -> torch.Tensor:
                            "(ulimit -l), free host memory, or plan with offload='none'") from None
 
 
-def _synchronize() -> None:
-    """Wait for this device's queued copies (non_blocking copies into pinned memory) to land."""
-    if torch.cuda.is_available():
-        torch.cuda.current_stream().synchronize()
+def _on(streams, which: int):
+    """The context that runs copies on side stream ``which`` (0 out, 1 in), or nothing without streams."""
+    return torch.cuda.stream(streams[which]) if streams is not None else contextlib.nullcontext()
