@@ -284,19 +284,28 @@ def update_time(param_bytes: float, dev: DeviceSpec, *, working_copy: bool, opti
 OFFLOAD_CHUNK = 2**28
 
 
+# Host memory bytes torch's fused CPU AdamW moves per fp32 parameter: it reads the weight, the
+# gradient and the two moments and writes the weight and the moments back (7 x 4 bytes).
+HOST_ADAMW_BYTES = 28.0
+
+
 def offload_update_time(params: float, dev: DeviceSpec, *, chunk: int = OFFLOAD_CHUNK) -> float:
     """Seconds of an offloaded AdamW step over ``params`` fp32 parameters (ZeRO-Offload's), run in
     chunks of ``chunk`` parameters: chunk i's gradients copied out (4 bytes each, at
     ``host_bandwidth``), the CPU's AdamW over its masters (at ``host_adam_rate``), its weights
-    copied back in. The copies of one chunk overlap the host's update of the chunk before or after
+    copied back in. The copies of one chunk run while the host updates the chunk before or after
     (the copy streams run both ways at once, and each chunk's gradients have their own staging
-    buffer), so with n chunks, copy_i = 4 p_i / host_bandwidth and host_i = p_i / host_adam_rate:
+    buffer), but they pass through the same host memory as the update, which is memory-bound: the
+    update of chunk i then also moves the neighbours' copies, at the update's own memory rate
+    (``HOST_ADAMW_BYTES`` per parameter at ``host_adam_rate``). With n chunks of p_i parameters,
+    copy_i = 4 p_i / host_bandwidth and host_i = p_i / host_adam_rate:
 
-        copy_1 + sum_i max(host_i, copy_{i+1}, copy_{i-1}) + copy_n
+        copy_1 + sum_i max(host_i + 4 (p_{i-1} + p_{i+1}) / (HOST_ADAMW_BYTES host_adam_rate),
+                           copy_{i+1}, copy_{i-1}) + copy_n
 
-    (a missing neighbour counts 0). None of it overlaps the backward: the runtime copies a
-    gradient out once the step's backward (one compiled autograd node, whose gradients all land at
-    its end) and its dp sum are done. Without a GPU the copies are plain host copies, in turn.
+    (a missing neighbour counts 0). Nothing overlaps the backward: the runtime copies a gradient out
+    once the step's backward (one compiled autograd node, whose gradients all land at its end) and
+    its dp sum are done. Without a GPU the copies are plain host copies, in turn (priced the same).
     Raises ValueError when the device profile does not say how fast its host is."""
     if not dev.host_bandwidth or not dev.host_adam_rate:
         raise ValueError(f"device {dev.name!r} has no host_bandwidth / host_adam_rate, which optimizer offload "
@@ -306,11 +315,15 @@ def offload_update_time(params: float, dev: DeviceSpec, *, chunk: int = OFFLOAD_
         return 0.0
     full, rest = divmod(params, chunk)
     sizes = [float(chunk)] * int(full) + ([rest] if rest else [])
-    copy = [4.0 * p / dev.host_bandwidth for p in sizes]
-    host = [p / dev.host_adam_rate for p in sizes]
     n = len(sizes)
-    middle = sum(max(host[i], copy[i + 1] if i + 1 < n else 0.0, copy[i - 1] if i else 0.0) for i in range(n))
-    return copy[0] + middle + copy[-1]
+
+    def near(i):   # the parameters of chunk i's neighbours, whose copies run during its update
+        return (sizes[i - 1] if i else 0.0) + (sizes[i + 1] if i + 1 < n else 0.0)
+
+    copy = [4.0 * p / dev.host_bandwidth for p in sizes] + [0.0]   # copy[-1] == copy[n]: no chunk
+    middle = sum(max(sizes[i] / dev.host_adam_rate + 4.0 * near(i) / (HOST_ADAMW_BYTES * dev.host_adam_rate),
+                     copy[i + 1], copy[i - 1] if i else 0.0) for i in range(n))
+    return copy[0] + middle + copy[n - 1]
 
 
 def matmul_rate(flops, dev: DeviceSpec, dtype: torch.dtype | str):

@@ -170,9 +170,11 @@ def test_offload_update_is_priced_from_the_host_figures(gpt, plans):
     def by_hand(dev):
         # fp32 gradients out and weights in, each way at host_bandwidth, and the host's AdamW
         # (fp32: no casts on the device); chunk 2 copies out during chunk 1's update, chunk 1's
-        # weights come in during chunk 2's
-        copy = [4 * c / dev.host_bandwidth, 4 * (n - c) / dev.host_bandwidth]
-        host = [c / dev.host_adam_rate, (n - c) / dev.host_adam_rate]
+        # weights come in during chunk 2's, each update slowed by the other chunk's copy through
+        # host memory (4 bytes a parameter beside AdamW's 28)
+        p = [c, n - c]
+        copy = [4 * k / dev.host_bandwidth for k in p]
+        host = [(k + 4 * other / 28) / dev.host_adam_rate for k, other in zip(p, p[::-1])]
         return copy[0] + max(host[0], copy[1]) + max(host[1], copy[0]) + copy[1]
 
     dev = get_device("h100")
@@ -191,21 +193,25 @@ def test_offload_update_is_priced_from_the_host_figures(gpt, plans):
 def test_offload_copies_overlap_the_host_update_of_the_neighbouring_chunks():
     """The runtime copies chunk i+1's gradients out and chunk i-1's weights in while the host
     updates chunk i: only the first copy out and the last copy in are exposed, unless a copy is
-    slower than the host's update of a chunk."""
+    slower than the host's update of a chunk; the update itself slows by the copies' share of the
+    host memory it streams through (28 bytes per parameter, 4 per copied parameter)."""
     from autopar.cost_model.compute import OFFLOAD_CHUNK as c, offload_update_time
 
     dev = get_device("h100")
     copy, host = 4 * c / dev.host_bandwidth, c / dev.host_adam_rate
     assert host > copy   # the preset host: its AdamW is slower than the link
-    assert offload_update_time(c, dev) == pytest.approx(copy + host + copy)
-    assert offload_update_time(3 * c, dev) == pytest.approx(copy + 3 * host + copy)
+    assert offload_update_time(c, dev) == pytest.approx(copy + host + copy)   # one chunk: nothing overlaps
+    # three chunks: the first and last have one neighbour, the middle two
+    shared = lambda k: host * (1 + k * 4 / 28)
+    assert offload_update_time(3 * c, dev) == pytest.approx(copy + shared(1) + shared(2) + shared(1) + copy)
     slow = dataclasses.replace(dev, host_bandwidth=dev.host_bandwidth / 20)   # now the copies dominate
     copy = 4 * c / slow.host_bandwidth
+    assert copy > shared(2)
     assert offload_update_time(3 * c, slow) == pytest.approx(copy + 3 * copy + copy)
-    # a last, smaller chunk: its update hides chunk 2's weights coming in only in part
-    half_copy, half_host = copy / 2, host / 2
+    # a last, smaller chunk (half): its neighbour's update moves half a chunk's copies more, and
+    # its own update hides only half of chunk 2's weights coming in
     assert offload_update_time(2.5 * c, slow) == pytest.approx(
-        copy + max(host, copy) + max(host, half_copy, copy) + max(half_host, copy) + half_copy)
+        copy + copy + copy + max(host / 2 * (1 + 2 * 4 / 28), copy) + copy / 2)
 
 
 def test_auto_offloads_only_when_it_is_needed_to_fit(gpt, plans):
