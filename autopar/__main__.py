@@ -61,8 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: the planner decides; megatron: the hand-written plan (default auto)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="compute dtype; bf16 and fp16 keep fp32 master weights (default fp32)")
-    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
-                   help="recompute regions per block, trading forward time for activation memory (default none)")
+    p.add_argument("--recompute", default="none", choices=["none", "selective", "full", "auto"],
+                   help="recompute regions per block, trading forward time for activation memory; auto: per block, "
+                        "the least recompute that fits the memory budget (default none)")
+    p.add_argument("--keep-gathered", default="auto", metavar="auto|none|UNITS",
+                   help="zero=3: auto keeps gathered from forward to backward the units that fit the memory budget; "
+                        "none reshards every unit after its forward; or comma-separated unit names (default auto)")
+    p.add_argument("--memory-budget", metavar="SIZE",
+                   help="bytes per device the plan must fit, e.g. 60GiB (default: the device's memory); what "
+                        "--zero, --offload and --recompute auto fit in")
     p.add_argument("--out", metavar="PLAN.json", help="also write the plan as JSON to this file")
     p.add_argument("--html", metavar="PLAN.html", help="also write the self-contained HTML plan view")
     c = sub.add_parser("compare", help="autopar's plans and hand-written PyTorch parallelism (DTensor TP, "
@@ -220,7 +227,8 @@ def _plan(args) -> int:
                             sequence_parallel=_SP[args.sequence_parallel], zero=args.zero,
                             world_size=args.gpus, gpus_per_node=args.gpus_per_node, schedule=args.schedule,
                             microbatches=args.microbatches, precision=args.precision, recompute=args.recompute,
-                            offload=args.offload)
+                            offload=args.offload, memory_budget=args.memory_budget,
+                            keep_gathered=_keep_gathered(args.keep_gathered))
     plan = dataclasses.replace(plan, model=args.config)   # lets `diff` re-derive it
     print(plan.summary())
     for warning in plan.warnings:   # the summary's last lines too, but stdout may go to a file
@@ -233,6 +241,13 @@ def _plan(args) -> int:
         print(f"plan view written to {args.html}")
     print(f"planned {args.config} (batch {args.batch}, seq {seq}) in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _keep_gathered(text: str):
+    """--keep-gathered as ``autopar.plan`` takes it: "auto", () for none, or the unit names."""
+    if text in ("auto", "none"):
+        return "auto" if text == "auto" else ()
+    return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
 def _rederived(plan, model, device):

@@ -17,9 +17,11 @@ from autopar.plans import Plan
 def plan(model, mesh, example_inputs, *, device="h100", gpus_per_node=8, world_size=None, **knobs) -> Plan:
     """Plan offline: no process group, no GPU; ``model`` may live on the meta device.
 
-    ``mesh`` is (dp, pp, tp) or "auto" (then ``world_size`` devices are ranked; the ranking
+    ``mesh`` is (dp, pp, tp), a dict of axis sizes ({"dp", "pp", "tp"}, or dp split as
+    {"dp_replicate", "dp_shard"} for HSDP: ZeRO shards over dp_shard and all-reduces across the
+    replicas; ``autopar.Mesh.parse``) or "auto" (then ``world_size`` devices are ranked; the ranking
     is in the plan's notes). ``knobs`` are parallelize's: plan, sequence_parallel, recompute,
-    memory_budget, schedule, microbatches, zero, offload, stages, virtual_stages, precision."""
+    memory_budget, schedule, microbatches, zero, offload, stages, virtual_stages, precision, keep_gathered."""
     return decide(model, mesh, example_inputs, device=device, gpus_per_node=gpus_per_node, world_size=world_size,
                   **knobs)[2]
 
@@ -49,12 +51,14 @@ def default_gpus_per_node() -> int:
 def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto", recompute="none",
                 memory_budget=None, schedule="1F1B", microbatches=None, zero=0, offload="none", compile=True,
                 device=None, gpus_per_node=None, stages=None, virtual_stages=None, precision="fp32",
-                loss_kernel="auto"):
+                loss_kernel="auto", keep_gathered="auto"):
     """Plan ``model`` for ``mesh`` and build this rank's parallel program.
 
     Call it on every rank of an initialised process group (``torchrun``, or
     ``autopar.launch.spawn`` for CPU ranks). ``example_inputs`` is one global batch.
     Rank 0 plans and broadcasts the plan, so every rank runs the same decisions.
+    ``mesh``: as ``plan`` takes it (a tuple, a dict of axis sizes such as
+    {"dp_replicate": 2, "dp_shard": 4} for HSDP, a DeviceMesh, or "auto").
     ``compile``: True lowers through torch.compile (Inductor); "reduce-overhead" (Inductor
     replaying CUDA graphs: no launch gaps; weights and buffers are marked as static addresses),
     "max-autotune" or "max-autotune-no-cudagraphs" through Inductor in that mode; another string
@@ -73,6 +77,8 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
     ``precision``: "fp32"; "bf16" (bf16 compute on fp32 master weights, every gradient and
     partial-sum reduction in fp32, fp32 loss); "fp16" (the same at fp16, with dynamic loss
     scaling). A given plan runs at its own precision (``autopar.runtime.precision``).
+    ``keep_gathered`` (zero=3): "auto" keeps gathered from forward to backward the units that fit
+    the memory budget; a list of unit names keeps those; () reshards every unit (``decide``).
     ``loss_kernel``: route a cross-entropy over 2-D logits (tp = 1) through autopar's one-read
     kernel (``autopar.kernels.cross_entropy``); "auto" does where it pays, when compiling with
     Inductor on CUDA with Triton; True always (its torch reference off CUDA); False never."""
@@ -89,14 +95,12 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
     mesh_ = None if auto else Mesh.parse(mesh)
     if mesh_ is not None:
         check_knobs(mesh_, recompute, schedule, zero, sequence_parallel, offload)
-        if world != mesh_.world_size:
-            raise ValueError(f"mesh {mesh_} needs {mesh_.world_size} ranks but the world has {world}; "
-                             f"launch {mesh_.world_size} processes or change the mesh")
+        mesh_.check_world(world)
     knobs = dict(sequence_parallel=sequence_parallel, recompute=recompute, memory_budget=memory_budget,
                  schedule=schedule, microbatches=microbatches, zero=zero, offload=offload,
                  device=device or default_device(),
                  gpus_per_node=gpus_per_node or default_gpus_per_node(),
-                 stages=stages, virtual_stages=virtual_stages, precision=precision)
+                 stages=stages, virtual_stages=virtual_stages, precision=precision, keep_gathered=keep_gathered)
     # rank 0 plans once; the others capture the same graph and take its strategies from the plan,
     # pricing nothing (they would only repeat rank 0's figures and its capture warnings)
     box, decided, failure = [None], None, None
@@ -118,7 +122,7 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             cap, strategies = rebuild(model, the_plan, example_inputs, sequence_parallel=sequence_parallel)
-    mesh_ = Mesh(*the_plan.mesh)
+    mesh_ = Mesh.of_plan(the_plan)
     dmesh = device_mesh(mesh_, default_device_type())
     return ParallelModel(model, cap, strategies, the_plan, mesh_, dmesh, compile=compile, loss_kernel=loss_kernel)
 

@@ -20,7 +20,8 @@ to the tp that wrote it. With ZeRO-1 a rank's optimizer state is a slice of one 
 all its shards; the part of that slice inside one parameter is a range of its row-major elements,
 written as at most 2*ndim - 1 boxes (a partial first row, whole rows, a partial last row), so the
 state lands in its parameter's global layout and loads into any dp, with or without ZeRO. Padding
-of unevenly sharded dims is never written. dp replicas describe identical boxes and DCP keeps one
+of unevenly sharded dims is never written. dp replicas (and HSDP's replicas of one dp_shard, whose
+ZeRO shards and slices are cut over dp_shard only) describe identical boxes and DCP keeps one
 writer per box; a weight held by several pipeline stages (GPT's tied embedding) is written only
 from its owning stage, since each stage's ZeRO slices cut it differently. On load each rank asks
 for its own boxes and DCP reads the overlapping parts of the saved ones: that is the resharding.

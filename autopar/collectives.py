@@ -154,21 +154,27 @@ def _gather_weight(shard: torch.Tensor, group: str, size: int, full: int, dtype,
     return _own(_ops.wait_tensor(pending), 0, full, pending.dtype)
 
 
-def _scatter_grad(g: torch.Tensor, group: str, size: int, dtype) -> torch.Tensor:
-    """A weight's gradient reduce-scattered to this rank's rows at the shard's ``dtype``, averaged over dp."""
-    return _rs(g if g.dtype == dtype else g.to(dtype), 0, group, size) / size
+def _scatter_grad(g: torch.Tensor, group: str, size: int, dtype, replicate: str | None = None,
+                  replicas: int = 1) -> torch.Tensor:
+    """A weight's gradient reduce-scattered to this rank's rows at the shard's ``dtype``, averaged over dp;
+    with ``replicate`` (HSDP: the group of the ``replicas`` holding the same shard) the rows are then
+    all-reduced across the replicas, and averaged over all ``size * replicas`` dp ranks."""
+    rows = _rs(g if g.dtype == dtype else g.to(dtype), 0, group, size)
+    if replicate is not None:
+        rows = _ar(rows, replicate)
+    return rows / (size * replicas)
 
 
 class _GatherParam(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, shard, group, size, full, dtype, pending):
-        ctx.args = (group, size, shard.dtype)
+    def forward(ctx, shard, group, size, full, dtype, pending, replicate, replicas):
+        ctx.args = (group, size, shard.dtype, replicate, replicas)
         return _gather_weight(shard, group, size, full, dtype, pending)
 
     @staticmethod
     def backward(ctx, g):
-        group, size, dtype = ctx.args
-        return _scatter_grad(g, group, size, dtype), None, None, None, None, None
+        group, size, dtype, replicate, replicas = ctx.args
+        return _scatter_grad(g, group, size, dtype, replicate, replicas), None, None, None, None, None, None, None
 
 
 class _ShardedLinear(torch.autograd.Function):
@@ -176,19 +182,20 @@ class _ShardedLinear(torch.autograd.Function):
     shard is kept for backward (ZeRO-3's reshard after forward)."""
 
     @staticmethod
-    def forward(ctx, x, shard, group, size, full, dtype, pending):
-        ctx.args = (group, size, full, dtype, shard.dtype)
+    def forward(ctx, x, shard, group, size, full, dtype, pending, replicate, replicas):
+        ctx.args = (group, size, full, dtype, shard.dtype, replicate, replicas)
         ctx.save_for_backward(x, shard)
         return F.linear(x, _gather_weight(shard, group, size, full, dtype, pending))
 
     @staticmethod
     def backward(ctx, g):
-        group, size, full, dtype, stored = ctx.args
+        group, size, full, dtype, stored, replicate, replicas = ctx.args
         x, shard = ctx.saved_tensors
         w = _gather_weight(shard, group, size, full, dtype)
         gx = g @ w
         gw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        return gx, _scatter_grad(gw, group, size, stored), None, None, None, None, None
+        return (gx, _scatter_grad(gw, group, size, stored, replicate, replicas), None, None, None, None, None, None,
+                None)
 
 
 def _interleaved(fn, x: torch.Tensor, dim: int, interleave: int, *args):
@@ -244,20 +251,25 @@ def prefetch_gather(shard: torch.Tensor, group: str, size: int, dtype: torch.dty
 
 
 def gather_param(shard: torch.Tensor, group: str, size: int, full: int,
-                 dtype: torch.dtype | None = None, pending: torch.Tensor | None = None) -> torch.Tensor:
+                 dtype: torch.dtype | None = None, pending: torch.Tensor | None = None,
+                 replicate: str | None = None, replicas: int = 1) -> torch.Tensor:
     """A parameter from its dp shards (dim 0, ``full`` rows in all), at ``dtype`` (the compute dtype;
     None: the shard's own): FSDP's unshard, waiting on ``pending`` (``prefetch_gather`` of this
     shard) when given, else gathering now. Backward reduce-scatters the gradient at the shard's
-    dtype (fp32 for fp32 master weights) and averages it over the group: the shard's dp-mean gradient."""
-    return _GatherParam.apply(shard, group, size, full, dtype, pending)
+    dtype (fp32 for fp32 master weights) and averages it over the group: the shard's dp-mean gradient.
+    HSDP: ``group`` is dp_shard's and ``replicate`` dp_replicate's (``replicas`` ranks), across
+    which the reduce-scattered gradient is all-reduced before the mean over all of dp."""
+    return _GatherParam.apply(shard, group, size, full, dtype, pending, replicate, replicas)
 
 
 def sharded_linear(x: torch.Tensor, shard: torch.Tensor, group: str, size: int, full: int,
-                   dtype: torch.dtype | None = None, pending: torch.Tensor | None = None) -> torch.Tensor:
+                   dtype: torch.dtype | None = None, pending: torch.Tensor | None = None,
+                   replicate: str | None = None, replicas: int = 1) -> torch.Tensor:
     """``F.linear(x, w)`` for a weight ``w`` held as dp shards: gathered for the forward (waiting on
     ``pending``, as ``gather_param``), gathered again for the backward instead of kept (FSDP's
-    reshard after forward), its gradient reduce-scattered and averaged as ``gather_param``'s."""
-    return _ShardedLinear.apply(x, shard, group, size, full, dtype, pending)
+    reshard after forward), its gradient reduce-scattered (and across ``replicate``) and averaged
+    as ``gather_param``'s."""
+    return _ShardedLinear.apply(x, shard, group, size, full, dtype, pending, replicate, replicas)
 
 
 COLLECTIVE_FUNCTIONS = (copy_to, all_reduce, all_gather, reduce_scatter, split, prefetch_gather, gather_param,

@@ -236,7 +236,8 @@ def _build(name, mesh, model, idx, tgt, sp):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         local = hw.local_batch_by_hand(dmesh, idx, tgt)
         return (lambda: float(hw.train_step_by_hand(model, *local))), opt, (model, opt)
-    knobs = dict(plan="auto", zero=3) if name == "zero3" else dict(plan=name)
+    # FSDP2's FULL_SHARD: every unit resharded after its forward
+    knobs = dict(plan="auto", zero=3, keep_gathered=()) if name == "zero3" else dict(plan=name)
     pm = autopar.parallelize(model, mesh, (idx, tgt), sequence_parallel=sp, compile=False, **knobs)
     opt = pm.optimizer(torch.optim.AdamW, lr=1e-3)
     return (lambda: float(pm.train_step(idx, tgt))), opt, (model, pm, opt)

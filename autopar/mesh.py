@@ -1,74 +1,174 @@
-"""The (dp, pp, tp) device mesh: its shape, checks, and the torch DeviceMesh behind it."""
+"""The device mesh: its axes and their sizes, checks, and the torch DeviceMeshes behind it.
+
+A mesh is named axis sizes, outermost first: dp, pp, tp (tp innermost: contiguous ranks, one node).
+The data-parallel axis may be split in two (HSDP, FSDP2's ``fully_shard`` on a 2-D mesh):
+dp = dp_replicate x dp_shard, replicas outermost, so a dp rank's index is
+``replica * dp_shard + shard`` and the dp_shard ranks of one replica are neighbours (one node).
+ZeRO then shards over dp_shard only and all-reduces the sharded gradients across dp_replicate.
+An unsplit dp is one replica of dp shards: ZeRO shards over all of it.
+
+``AXIS_ORDER`` is the one list of axes a mesh dict may name; ``Mesh.dims`` derives the DeviceMesh's
+dims, ``Mesh.coords`` and ``Mesh.inner_size`` the rank layout, from it. A later axis (cp, between
+pp and tp) is one more field and one more name there.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-AXES = ("dp", "pp", "tp")
+AXES = ("dp", "pp", "tp")   # the axes of the (dp, pp, tp) DeviceMesh and of a plan's placements
+# every axis a mesh dict may name, outermost first; dp_replicate x dp_shard is dp split for HSDP
+AXIS_ORDER = ("dp", "dp_replicate", "dp_shard", "pp", "tp")
+DP_SPLIT = ("dp_replicate", "dp_shard")
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """Sizes of the three mesh axes; tp is innermost (contiguous ranks, one node)."""
+    """Sizes of the mesh axes; tp is innermost (contiguous ranks, one node). ``dp_replicate``
+    divides dp: the replicas of a split dp (HSDP), ``dp_shard = dp / dp_replicate`` ranks each."""
 
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    dp_replicate: int = 1
 
     def __post_init__(self):
-        for axis in AXES:
+        for axis in ("dp", "pp", "tp", "dp_replicate"):
             v = getattr(self, axis)
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"mesh axis {axis} must be a positive integer, got {v!r}")
+        if self.dp % self.dp_replicate:
+            raise ValueError(f"dp_replicate={self.dp_replicate} does not divide dp={self.dp}: dp is "
+                             "dp_replicate x dp_shard; give the two sizes, e.g. {'dp_replicate': 2, 'dp_shard': 4}")
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks ZeRO shards over: each replica's share of dp (all of dp when it is not split)."""
+        return self.dp // self.dp_replicate
+
+    @property
+    def split(self) -> bool:
+        """Whether dp is split into several replicas (HSDP)."""
+        return self.dp_replicate > 1
 
     @property
     def world_size(self) -> int:
         return self.dp * self.pp * self.tp
 
     def size(self, axis: str) -> int:
+        """The size of ``axis`` (any name of ``AXIS_ORDER``)."""
+        if axis not in AXIS_ORDER:
+            raise ValueError(f"unknown mesh axis {axis!r}; the axes are {', '.join(AXIS_ORDER)}")
         return getattr(self, axis)
 
+    def dims(self) -> tuple[tuple[str, int], ...]:
+        """(name, size) of each dim of this mesh's rank layout, outermost first: dp, or its
+        split into dp_replicate and dp_shard, then pp and tp."""
+        dp = (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)) if self.split else (("dp", self.dp),)
+        return dp + tuple((a, self.size(a)) for a in AXIS_ORDER if a not in ("dp", *DP_SPLIT))
+
     def coords(self, rank: int) -> dict[str, int]:
-        """This rank's index on each axis (row-major over dp, pp, tp)."""
-        return {"dp": rank // (self.pp * self.tp), "pp": rank // self.tp % self.pp, "tp": rank % self.tp}
+        """This rank's index on each axis (row-major over ``dims``): dp, pp, tp, and dp's split
+        (dp = dp_replicate * dp_shard + dp_shard index; an unsplit dp is replica 0)."""
+        out, rest = {}, rank
+        for name, n in reversed(self.dims()):
+            out[name], rest = rest % n, rest // n
+        if self.split:
+            out["dp"] = out["dp_replicate"] * self.dp_shard + out["dp_shard"]
+        else:
+            out["dp_replicate"], out["dp_shard"] = 0, out["dp"]
+        return {a: out[a] for a in AXIS_ORDER}
 
     def inner_size(self, axis: str) -> int:
-        """How many ranks apart neighbours on ``axis`` are."""
-        return {"dp": self.pp * self.tp, "pp": self.tp, "tp": 1}[axis]
+        """How many ranks apart neighbours on ``axis`` are: the product of the axes inside it
+        (dp's are its dp_shard's: an unsplit dp is one replica)."""
+        self.size(axis)
+        layout = [a for a in AXIS_ORDER if a != "dp"]
+        inside = layout[layout.index("dp_shard" if axis == "dp" else axis) + 1:]
+        return math.prod(self.size(a) for a in inside)
+
+    def check_world(self, world: int) -> None:
+        """Raise unless this mesh covers a world of ``world`` ranks exactly."""
+        if world != self.world_size:
+            raise ValueError(f"mesh {self} needs {self.world_size} ranks but the world has {world}; "
+                             f"launch {self.world_size} processes or change the mesh")
+
+    def dp_text(self) -> str:
+        """dp as a plan prints it: "dp=4", or "dp=4 (2 replicas x 2 shards)" when it is split."""
+        split = f" ({self.dp_replicate} replicas x {self.dp_shard} shards)" if self.split else ""
+        return f"dp={self.dp}{split}"
 
     def __str__(self) -> str:
-        return f"(dp={self.dp}, pp={self.pp}, tp={self.tp})"
+        return "(" + ", ".join(f"{name}={n}" for name, n in self.dims()) + ")"
+
+    @classmethod
+    def of_plan(cls, plan) -> "Mesh":
+        """The mesh a plan was made for: its (dp, pp, tp) and its split of dp (``plan.dp_replicate``)."""
+        return cls(*plan.mesh, dp_replicate=getattr(plan, "dp_replicate", 1))
+
+    @classmethod
+    def from_sizes(cls, sizes: dict) -> "Mesh":
+        """A mesh from a dict of axis sizes, e.g. {"dp_replicate": 2, "dp_shard": 4, "tp": 8}:
+        missing axes are 1; dp is given whole ("dp") or split (dp_replicate, dp_shard), not both."""
+        unknown = [a for a in sizes if a not in AXIS_ORDER]
+        if unknown:
+            raise ValueError(f"unknown mesh axis {', '.join(map(repr, unknown))}; the known axes are "
+                             f"{', '.join(AXIS_ORDER)} (dp_replicate x dp_shard splits dp for HSDP)")
+        for axis, n in sizes.items():
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"mesh axis {axis} must be a positive integer, got {n!r}")
+        given = [a for a in DP_SPLIT if a in sizes]
+        if "dp" in sizes and given:
+            raise ValueError(f"the mesh names dp={sizes['dp']} and {', '.join(f'{a}={sizes[a]}' for a in given)}: "
+                             "give dp whole, or split as dp_replicate x dp_shard, not both")
+        r, s = sizes.get("dp_replicate", 1), sizes.get("dp_shard", 1)
+        return cls(sizes.get("dp", r * s), sizes.get("pp", 1), sizes.get("tp", 1), dp_replicate=r)
 
     @classmethod
     def parse(cls, mesh) -> "Mesh":
-        """Accept a Mesh, a (dp, pp, tp) tuple, "dp,pp,tp", or a DeviceMesh with named axes."""
+        """Accept a Mesh, a (dp, pp, tp) tuple, "dp,pp,tp", a dict of axis sizes ({"dp_replicate",
+        "dp_shard", "dp", "pp", "tp"}, ``from_sizes``), or a DeviceMesh with axes of those names."""
         if isinstance(mesh, Mesh):
             return mesh
+        if isinstance(mesh, dict):
+            return cls.from_sizes(mesh)
         if isinstance(mesh, str):
             try:
                 mesh = tuple(int(x) for x in mesh.split(","))
             except ValueError:
                 raise ValueError(f"mesh {mesh!r}: expected three integers 'dp,pp,tp'") from None
         if hasattr(mesh, "mesh_dim_names"):
-            names = mesh.mesh_dim_names or ()
-            if not set(names) <= set(AXES):
-                raise ValueError(f"DeviceMesh axes must be named from {AXES}, got {names}")
-            return cls(**{n: mesh.size(i) for i, n in enumerate(names)})
+            names = tuple(mesh.mesh_dim_names or ())
+            if not set(names) <= set(AXIS_ORDER) or list(names) != sorted(names, key=AXIS_ORDER.index):
+                raise ValueError(f"DeviceMesh axes must be named from {AXIS_ORDER}, in that order (outermost "
+                                 f"first), got {names}")
+            return cls.from_sizes({n: mesh.size(i) for i, n in enumerate(names)})
         if not isinstance(mesh, (tuple, list)) or len(mesh) != 3:
-            raise ValueError(f"mesh must be (dp, pp, tp), got {mesh!r}")
+            raise ValueError(f"mesh must be (dp, pp, tp) or a dict of axis sizes such as "
+                             f"{{'dp_replicate': 2, 'dp_shard': 4, 'tp': 2}}, got {mesh!r}")
         return cls(*mesh)
 
 
 def device_mesh(mesh: Mesh, device_type: str):
     """The torch DeviceMesh with axes ("dp", "pp", "tp") over the initialised world."""
-    world = dist.get_world_size()
-    if world != mesh.world_size:
-        raise ValueError(f"mesh {mesh} needs {mesh.world_size} ranks but the world has {world}; "
-                         f"launch {mesh.world_size} processes or change the mesh")
+    mesh.check_world(dist.get_world_size())
     from torch.distributed.device_mesh import init_device_mesh
     return init_device_mesh(device_type, (mesh.dp, mesh.pp, mesh.tp), mesh_dim_names=AXES)
+
+
+def split_dp_groups(mesh: Mesh, device_type: str) -> tuple[str, str]:
+    """The (dp_shard, dp_replicate) process group names of a split dp (HSDP), from a DeviceMesh
+    over ``mesh.dims()``; every rank must call it (it creates the groups)."""
+    if not mesh.split:
+        raise ValueError(f"mesh {mesh} does not split dp into replicas")
+    mesh.check_world(dist.get_world_size())
+    from torch.distributed.device_mesh import init_device_mesh
+    names, sizes = zip(*mesh.dims())
+    split = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+    return group_name(split, "dp_shard"), group_name(split, "dp_replicate")
 
 
 def group_name(dmesh, axis: str) -> str:

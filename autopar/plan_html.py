@@ -149,11 +149,11 @@ def _layers(plan) -> tuple[list[_Layer], list]:
     return _collapse(layers, plan), unattached
 
 
-def _signature(layer: _Layer, recomputed: set) -> tuple:
+def _signature(layer: _Layer, recomputed: set, kept: tuple) -> tuple:
     ops = tuple((n.op, _rel(n.module, layer.key), n.inputs, n.output, n.local, n.name in recomputed)
                 for n in layer.nodes)
     colls = tuple(sorted((c.kind, c.axis, c.phase, _rel(c.where, layer.key), c.count, c.bytes) for c in layer.colls))
-    return layer.stage, ops, colls
+    return layer.stage, ops, colls, layer.key in kept
 
 
 def _collapse(layers: list[_Layer], plan) -> list[_Layer]:
@@ -165,12 +165,23 @@ def _collapse(layers: list[_Layer], plan) -> list[_Layer]:
         a = re.fullmatch(r"(.*)\.(\d+)", prev.last or prev.key) if prev else None
         b = re.fullmatch(r"(.*)\.(\d+)", layer.key)
         if (a and b and a[1] == b[1] and int(b[2]) == int(a[2]) + 1
-                and _signature(prev, recomputed) == _signature(layer, recomputed)):
+                and _signature(prev, recomputed, plan.keep_gathered)
+                == _signature(layer, recomputed, plan.keep_gathered)):
             prev.count += 1
             prev.last = layer.key
         else:
             out.append(layer)
     return out
+
+
+def _zero_fact(plan) -> str:
+    """The ZeRO stage and, under ZeRO-3, the per-unit reshard choice."""
+    if plan.zero != 3 or plan.mesh[0] == 1:
+        return f"stage {plan.zero}"
+    if not plan.keep_gathered:
+        return "stage 3, every unit resharded after its forward (re-gathered in its backward)"
+    return (f"stage 3, kept gathered from forward to backward (no backward re-gather): "
+            f"{', '.join(plan.keep_gathered)}; the other units reshard after their forward")
 
 
 def _header(plan) -> str:
@@ -185,7 +196,7 @@ def _header(plan) -> str:
         sched += f", {plan.virtual_stages} stages per rank"
     facts = [("mesh (dp, pp, tp)", f"({dp}, {pp}, {tp}) = {dp * pp * tp} GPUs"), ("device", plan.device),
              ("schedule", sched if pp > 1 else f"no pipeline, {plan.microbatches} microbatch(es)"),
-             ("sequence parallel", "on" if plan.sequence_parallel else "off"), ("ZeRO", f"stage {plan.zero}"),
+             ("sequence parallel", "on" if plan.sequence_parallel else "off"), ("ZeRO", _zero_fact(plan)),
              ("recompute", f"{plan.recompute} ({len(plan.recompute_regions)} regions)"),
              ("predicted step time", human_time(plan.predicted_step_time)),
              ("compute / comm", f"{human_time(plan.predicted_compute_s)} / {human_time(plan.predicted_comm_s)}"),
@@ -199,7 +210,7 @@ def _header(plan) -> str:
             + (f"<ul class='muted'>{notes}</ul>" if notes else "") + "</header>")
 
 
-def _layer_html(layer: _Layer, colour: str, recomputed: set) -> str:
+def _layer_html(layer: _Layer, colour: str, recomputed: set, kept: tuple = ()) -> str:
     name = layer.key or _TOP
     if layer.count > 1:
         prefix = layer.key.rsplit(".", 1)[0]
@@ -214,6 +225,8 @@ def _layer_html(layer: _Layer, colour: str, recomputed: set) -> str:
         at = _rel(c.where, layer.key)
         badges.append(f'<span class="coll {_e(c.axis)}" title="{_e(c.where)}">{_e(at + ": " if at else "")}'
                       f'{_e(c.kind)} {_e(c.axis)} {_e(c.phase)} x{c.count} {human_bytes(c.bytes)}</span>')
+    if layer.key in kept:   # ZeRO-3 without its backward re-gather
+        badges.append('<span class="rc">kept gathered from forward to backward</span>')
     n_rc = sum(n.name in recomputed for n in layer.nodes)
     if n_rc:
         badges.append(f'<span class="rc">recompute {n_rc} op{"s" if n_rc != 1 else ""}</span>')
@@ -246,7 +259,8 @@ def _model(plan) -> str:
         s = stages.get(k)
         title = (f"Stage {k} on pp rank {s.rank}: {human_time(s.predicted_time_s)} per microbatch, "
                  f"{human_bytes(s.memory_bytes)}" if s else "Stage 0 (no pipeline: the whole model)")
-        body = "".join(_layer_html(layer, colour, recomputed) for layer in layers if layer.stage == k)
+        body = "".join(_layer_html(layer, colour, recomputed, plan.keep_gathered) for layer in layers
+                       if layer.stage == k)
         parts.append(f'<section class="stage" data-stage="{k}" style="--c:{colour}"><h3>{_e(title)}</h3>{body}</section>')
     if unattached:
         rows = "".join(f'<tr><td class="m">{_e(c.where or _TOP)}</td><td>{_e(c.kind)}</td><td>{_e(c.axis)}</td>'

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from autopar.cost_model.step import step_time
 from autopar.errors import PlanFormatError
+from autopar.mesh import AXIS_ORDER, Mesh
 
 PLAN_VERSION = 1
 
@@ -119,6 +120,12 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     model: str = ""                 # what `python -m autopar plan` was given (a config or file.py:factory), for `diff`
     warnings: tuple[str, ...] = ()  # an axis doing no work, a peak above the device: derived anew at every planning
+    dp_replicate: int = 1           # HSDP: dp = dp_replicate x dp_shard; ZeRO shards over dp_shard, all-reduces across replicas
+
+    @property
+    def dp_shard(self) -> int:
+        """The dp ranks ZeRO shards over: dp / dp_replicate (all of dp unless dp is split)."""
+        return self.mesh[0] // self.dp_replicate
 
     def __post_init__(self):
         if self.precision not in PRECISION_NOTES:
@@ -126,6 +133,9 @@ class Plan:
                                   f"{', '.join(map(repr, PRECISION_NOTES))}")
         if self.offload not in OFFLOADS:
             raise PlanFormatError(f"plan.offload {self.offload!r}: expected {', '.join(map(repr, OFFLOADS))}")
+        if self.dp_replicate < 1 or self.mesh[0] % self.dp_replicate:
+            raise PlanFormatError(f"plan.dp_replicate {self.dp_replicate}: expected a positive divisor of "
+                                  f"dp={self.mesh[0]} (dp = dp_replicate x dp_shard)")
         why = offload_limit(self.offload, self.precision, self.zero, self.mesh, self.microbatches)
         if why:
             raise PlanFormatError(f"plan.offload: {why}")
@@ -210,7 +220,7 @@ class Plan:
         strategies, collectives (count and bytes per place), stages, memory, predicted time.
         Returns "no differences" when the two plans decide the same things."""
         out: list[str] = []
-        for f in ("mesh", "input_shapes", "sequence_parallel", "zero", "keep_gathered", "offload", "microbatches",
+        for f in ("mesh", "dp_replicate", "input_shapes", "sequence_parallel", "zero", "keep_gathered", "offload", "microbatches",
                   "schedule", "virtual_stages", "recompute", "precision", "device"):
             a, b = getattr(self, f), getattr(other, f)
             if a != b:
@@ -247,11 +257,11 @@ class Plan:
     def summary(self) -> str:
         """A readable account: mesh, parameters and their placements, collectives per layer, memory,
         times, then the notes and warnings (an idle axis, a peak above the device)."""
-        dp, pp, tp = self.mesh
-        lines = [f"autopar plan ({self.source}) for mesh dp={dp} pp={pp} tp={tp} on {self.device}",
+        mesh = Mesh.of_plan(self)
+        lines = [f"autopar plan ({self.source}) for mesh {mesh.dp_text()} pp={mesh.pp} tp={mesh.tp} on {self.device}",
                  f"  microbatch input shapes {list(map(list, self.input_shapes))}, microbatches "
                  f"{self.microbatches}, sequence parallel {'on' if self.sequence_parallel else 'off'}, "
-                 f"ZeRO-{self.zero}{_kept_gathered(self.keep_gathered)}{_offloaded(self.offload)}, "
+                 f"ZeRO-{self.zero}{_zero_axes(self.zero, mesh)}{_kept_gathered(self.keep_gathered)}{_offloaded(self.offload)}, "
                  f"precision {PRECISION_NOTES[self.precision]}",
                  "  placements: R replicated, P partial sum, S(d) sharded on dim d, "
                  "S(d)ik interleaved: dim d is k blocks (fused q,k,v) and each rank holds its slice of each",
@@ -301,9 +311,9 @@ def _significant(x: float) -> str:
 
 
 def _axis_order(*placements: dict) -> list[str]:
-    """The axes named in ``placements`` in the mesh's order (dp, pp, tp), any others after."""
+    """The axes named in ``placements`` in the mesh's order (``AXIS_ORDER``), any others after."""
     named = dict.fromkeys(a for pl in placements for a in pl)
-    return [a for a in ("dp", "pp", "tp") if a in named] + [a for a in named if a not in ("dp", "pp", "tp")]
+    return [a for a in AXIS_ORDER if a in named] + [a for a in named if a not in AXIS_ORDER]
 
 
 def edited_source(source: str) -> str:
@@ -335,6 +345,36 @@ def offload_limit(offload: str, precision: str, zero: int, mesh, microbatches: i
     return (f"offload={offload!r} with precision={precision!r} needs one forward and backward per step on one stage "
             f"without ZeRO (the 16-bit gradients would be summed in 16 bits); this plan has {', '.join(why)}: "
             "use zero=0, pp=1 and one microbatch, or precision='fp32'")
+
+
+def _zero_axes(zero: int, mesh: Mesh) -> str:
+    """Where a split dp's ZeRO shards and reduces (nothing for an unsplit dp or zero=0)."""
+    if not zero or not mesh.split:
+        return ""
+    return (f" (sharded over the {mesh.dp_shard} dp_shard ranks, gradients all-reduced across the "
+            f"{mesh.dp_replicate} dp_replicate replicas)")
+
+
+def dp_placements(mesh: Mesh, zero: int) -> dict[str, str]:
+    """A parameter's placements on the dp axes: sharded by rows where ZeRO shards it (from zero=1
+    on, over dp, or over dp_shard and replicated across dp_replicate when dp is split), else replicated."""
+    sharded = "S(0)" if zero and mesh.dp_shard > 1 else "R"
+    return {"dp_replicate": "R", "dp_shard": sharded} if mesh.split else {"dp": sharded}
+
+
+def zero_on_mesh(zero: int, mesh: Mesh) -> tuple[int, tuple[str, ...]]:
+    """The ZeRO stage a plan runs ``zero`` at on ``mesh``, and notes saying where that is not what it
+    asked: without dp ranks to shard over (dp=1, or a split dp of one shard per replica: plain
+    replication) zero=2 and 3 become 0 (so does 1 across replicas: each would step its whole
+    state); zero=0 on a split dp shards nothing and all-reduces over all of dp."""
+    if zero and mesh.dp_shard == 1 and (zero >= 2 or mesh.split):
+        why = (f"dp_shard=1 ({mesh.dp_replicate} replicas of one rank each: plain replication)" if mesh.split
+               else "dp=1")
+        return 0, (f"zero={zero} asks to shard over dp, but {why}: nothing to shard; planned as zero=0",)
+    if not zero and mesh.split:
+        return 0, (f"{mesh.dp_text()}, but zero=0 shards nothing: the gradients are all-reduced over all "
+                   f"{mesh.dp} dp ranks; zero=1-3 shard over dp_shard and all-reduce across dp_replicate",)
+    return zero, ()
 
 
 def _kept_gathered(units: tuple[str, ...]) -> str:

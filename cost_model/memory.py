@@ -378,7 +378,8 @@ def backward_excess(nodes, kept: dict, strategies: dict, size: int, grads: dict,
     return out
 
 
-def param_state(cap, strategies, fqns, tp: int, dp: int, zero: int, working_copy: float, offload: bool = False):
+def param_state(cap, strategies, fqns, tp: int, dp: int, zero: int, working_copy: float, offload: bool = False,
+                kept=()):
     """(parameter bytes with a 16-bit step's working copy, gradient bytes, optimizer bytes) one
     rank holds on its device of the parameters ``fqns``: their local shards under ``strategies``,
     Adam's two fp32 moments sharded over dp from ZeRO-1 on (ZeRO-1 also keeps the 1/dp slice of
@@ -387,25 +388,18 @@ def param_state(cap, strategies, fqns, tp: int, dp: int, zero: int, working_copy
 
     ZeRO-2 and 3 hold 1/dp of the weights and gradients too, and the gathered weights at the
     compute dtype on top: ZeRO-2 every unit's, from its forward to its backward; ZeRO-3 two units'
-    at a time (the one computing and the next, being gathered), the largest two.
+    at a time (the one computing and the next, being gathered), the largest two, and those of the
+    units in ``kept`` (a plan's ``keep_gathered``, by unit name) from their forward to their
+    backward: ``gathered_weights``.
 
     With ``offload`` (the optimizer on the host, ``autopar.runtime.offload``) the moments and the
     fp32 master live in host memory (three fp32 numbers per parameter the moments cover): the
     device keeps no optimizer bytes, and at 16 bits its parameters and gradients are the 16-bit
     working weights alone."""
-    local = {}
-    for fqn in fqns:
-        node = cap.params[fqn]
-        v = node.meta["val"]
-        local[fqn] = float(np.prod(local_shape(tuple(v.shape), strategies[node].output, tp))) * v.element_size()
+    local = local_param_bytes(cap, strategies, fqns, tp)
     params = sum(local.values())
     if zero >= 2 and dp > 1:
-        if zero == 2:
-            gathered = params
-        else:   # a weight several units use is gathered once and kept to the last backward (passes.zero)
-            shared = shared_params(cap, local)
-            gathered = (sum(sorted(unit_param_bytes(cap, {f: b for f, b in local.items() if f not in shared}).values())[-2:])
-                        + sum(local[f] for f in shared))
+        gathered = params if zero == 2 else gathered_weights(*unit_gathered_bytes(cap, local), kept)
         return params / dp + gathered * (working_copy or 1.0), params / dp, 0.0 if offload else 2 * params / dp
     if offload:
         held = params * (working_copy or 1.0)
@@ -415,12 +409,53 @@ def param_state(cap, strategies, fqns, tp: int, dp: int, zero: int, working_copy
     return params * (1 + working_copy) + stepped, params, optimizer
 
 
+def local_param_bytes(cap, strategies, fqns, tp: int) -> dict[str, float]:
+    """FQN -> bytes of its local (tp) shard under ``strategies``, for the parameters ``fqns``."""
+    local = {}
+    for fqn in fqns:
+        node = cap.params[fqn]
+        v = node.meta["val"]
+        local[fqn] = float(np.prod(local_shape(tuple(v.shape), strategies[node].output, tp))) * v.element_size()
+    return local
+
+
+def stage_fqns(cap, nodes) -> list[str]:
+    """The FQNs of the parameters ``nodes`` (one stage's ops) use."""
+    members = set(nodes)
+    return [f for f, p in cap.params.items() if any(u in members for u in p.users)]
+
+
+def kept_gathered_bytes(cap, strategies, mesh, nodes, working_copy: float):
+    """What keeping units gathered adds to one ZeRO-3 stage's peak: ``extra(kept)``, the device
+    bytes ``param_state`` counts with the units ``kept`` (names) kept gathered beyond those it
+    counts with none (at the compute dtype), and the unit name -> gathered bytes of the units
+    whose keeping changes the program (``regathers``), the ones to choose among."""
+    local = local_param_bytes(cap, strategies, stage_fqns(cap, nodes), mesh.tp)
+    unit_bytes, shared = unit_gathered_bytes(cap, local)
+    scale, base = working_copy or 1.0, gathered_weights(unit_bytes, shared)
+    names = {u.name for u in zero_units(cap) if regathers(u, shared_params(cap, local))}
+
+    def extra(kept) -> float:
+        return (gathered_weights(unit_bytes, shared, kept) - base) * scale
+    return extra, {u: b * scale for u, b in unit_bytes.items() if u in names}
+
+
+def regathers(unit, shared: set[str]) -> bool:
+    """Whether ZeRO-3 gathers some of ``unit``'s weights again in its backward: those of its linears
+    (``passes.zero``: each takes its own weight's shard), but not a weight several units share
+    (``shared``, FQNs: gathered once and kept) nor any other op's (gathered once per unit)."""
+    for n in unit.nodes:
+        if n.target is aten.linear.default and len(n.args) > 1 and isinstance(n.args[1], Node):
+            weight = _graph_input(n.args[1])
+            if weight is not None and weight.meta.get("kind") == "param" and weight.meta.get("fqn") not in shared:
+                return True
+    return False
+
+
 def host_state(cap, strategies, mesh, nodes, zero: int) -> float:
     """Host bytes of one stage's offloaded optimizer (``autopar.runtime.offload``): the fp32 master
     beside Adam's two fp32 moments of what this rank steps, half the moments' bytes again."""
-    members = set(nodes)
-    fqns = [f for f, p in cap.params.items() if any(u in members for u in p.users)]
-    return 1.5 * param_state(cap, strategies, fqns, mesh.tp, mesh.dp, zero, 0.0)[2]
+    return 1.5 * param_state(cap, strategies, stage_fqns(cap, nodes), mesh.tp, mesh.dp_shard, zero, 0.0)[2]
 
 
 def shared_params(cap, local) -> set[str]:
@@ -433,6 +468,25 @@ def shared_params(cap, local) -> set[str]:
             if any(user in members for user in cap.params[f].users):
                 uses[f] = uses.get(f, 0) + 1
     return {f for f, n in uses.items() if n > 1}
+
+
+def unit_gathered_bytes(cap, local: dict[str, float]) -> tuple[dict[str, float], float]:
+    """What ZeRO-3 gathers of ``local`` (FQN -> bytes): per layer unit the bytes of the weights it
+    alone uses, and the bytes of those several units use (a tied embedding, gathered once and kept
+    to the last use's backward, ``passes.zero``)."""
+    shared = shared_params(cap, local)
+    return unit_param_bytes(cap, {f: b for f, b in local.items() if f not in shared}), sum(local[f] for f in shared)
+
+
+def gathered_weights(unit_bytes: dict[str, float], shared: float, kept=()) -> float:
+    """Bytes of gathered weights alive at once under ZeRO-3 (at the stored dtype; ``param_state``
+    scales them to the compute dtype), from ``unit_gathered_bytes``: a resharded unit's live from
+    its gather to the end of its forward, and again in its backward, so two at a time (the one
+    computing and the next, prefetched: the largest two); a unit in ``kept`` (unit names) keeps its
+    weights from its forward to its backward, so all of them are alive where the backward starts;
+    the shared weights live through the step."""
+    resharded = sorted(b for u, b in unit_bytes.items() if u not in kept)
+    return sum(b for u, b in unit_bytes.items() if u in kept) + sum(resharded[-2:]) + shared
 
 
 def unit_param_bytes(cap, local: dict[str, float]) -> dict[str, float]:
@@ -448,17 +502,18 @@ def unit_param_bytes(cap, local: dict[str, float]) -> dict[str, float]:
 
 
 def stage_terms(cap, strategies, mesh, nodes, regions, *, zero: int, microbatches: int, working_copy: float,
-                offload: bool = False):
+                offload: bool = False, kept=()):
     """(params, gradients held through the forward, optimizer, one microbatch's activations,
     [(node, backward excess)]) of one stage's ``nodes`` with ``regions`` recomputed: the terms
-    of its peak (``autopar.planner.recompute.memory_breakdown``); ``offload`` as ``param_state``."""
+    of its peak (``autopar.planner.recompute.memory_breakdown``); ``offload`` and ``kept`` (ZeRO-3's
+    units kept gathered) as ``param_state``."""
     held = microbatches > 1   # gradients accumulate over the step's microbatches
     members = set(nodes)
-    fqns = [f for f, p in cap.params.items() if any(u in members for u in p.users)]
-    params, grads, opt = param_state(cap, strategies, fqns, mesh.tp, mesh.dp, zero, working_copy, offload)
+    fqns = stage_fqns(cap, nodes)
+    params, grads, opt = param_state(cap, strategies, fqns, mesh.tp, mesh.dp_shard, zero, working_copy, offload, kept)
     mine = [r for r in regions if r and r[0] in members]
     kept = compiled_kept(nodes, strategies, mesh.tp, mine)
-    per_param = {cap.params[f]: param_state(cap, strategies, [f], mesh.tp, mesh.dp, zero, working_copy, offload)[1]
+    per_param = {cap.params[f]: param_state(cap, strategies, [f], mesh.tp, mesh.dp_shard, zero, working_copy, offload)[1]
                  for f in fqns}
     excess = backward_excess(nodes, kept, strategies, mesh.tp, per_param, held)
     return params, grads if held else 0.0, opt, sum(kept.values()), excess

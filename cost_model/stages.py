@@ -70,23 +70,37 @@ def pipeline_time(stage_times, p: int, m: int, v: int, *, add=math.fsum, maximum
     return m * maximum(ranks) + (p - 1) * maximum(stage_times)
 
 
+def pipeline_split(parts, p: int, m: int, v: int, makespan: float) -> dict:
+    """A pipeline's ``makespan`` (``pipeline_time`` of the stage times) as terms that add up to it:
+    the work of the busiest pipeline rank's m microbatches, term by term (``parts``: per stage, a
+    dict of term -> seconds, e.g. compute / tp / pp, summing to its stage time), and "bubble", the
+    rest: what that rank waits in the fill and drain ((p - 1) x the slowest stage when v > 1)."""
+    times = [math.fsum(d.values()) for d in parts]
+    busiest = max(range(p), key=lambda r: math.fsum(times[r::p]))
+    out = {k: m * math.fsum(d[k] for d in parts[busiest::p]) for k in parts[0]}
+    out["bubble"] = makespan - math.fsum(out.values())
+    return out
+
+
 def state_bytes_per_param_byte(mesh, zero: int, working_copy: float = 0.0, offload: bool = False) -> float:
     """Parameter + gradient + Adam's two moments (the moments sharded over dp from ZeRO-1 on, the
-    weights and gradients too from ZeRO-2 on), plus a 16-bit working copy's share
+    weights and gradients too from ZeRO-2 on; over dp_shard when dp is split, each replica holding
+    the same shards), plus a 16-bit working copy's share
     (``autopar.passes.precision.working_copy_ratio``); ZeRO-2 and 3's gathered weights are the
     stage's, not a unit's (``memory.param_state``). ``offload``: the device keeps the weights and
     gradients alone, as ``param_state(offload=True)`` does."""
+    shards = mesh.dp_shard
     if offload:
-        return 2.0 / mesh.dp if zero >= 2 and mesh.dp > 1 else 2.0 * (working_copy or 1.0)
-    if zero >= 2 and mesh.dp > 1:
-        return 4.0 / mesh.dp
+        return 2.0 / shards if zero >= 2 and shards > 1 else 2.0 * (working_copy or 1.0)
+    if zero >= 2 and shards > 1:
+        return 4.0 / shards
     if zero == 1:   # the moments and the flat copy of the slice they step (``memory.param_state``)
-        return 2.0 + working_copy + 3.0 / mesh.dp
+        return 2.0 + working_copy + 3.0 / shards
     return 4.0 + working_copy
 
 
 def unit_costs(cap, strategies: dict, units, mesh, dev, *, zero: int, gpus_per_node: int, working_copy: float,
-               regions=()):
+               regions=(), tp_seconds: bool = False):
     """Per unit (anything with the ``nodes`` it runs) per microbatch: seconds (fwd+bwd, with the
     launch overhead and the tp collectives its ops consume), static bytes, activation bytes; and
     the point-to-point seconds of a cut after each unit.
@@ -96,7 +110,8 @@ def unit_costs(cap, strategies: dict, units, mesh, dev, *, zero: int, gpus_per_n
     counts them with gradients held), and what torch.compile keeps for the
     backward with ``regions`` recomputed (``compiled_kept``). The backward's transient excess,
     a maximum over a stage's ops rather than a sum over its units, is left to the plan's
-    per-stage memory."""
+    per-stage memory. ``tp_seconds``: also return, last, each unit's seconds of tp collectives
+    (part of its seconds), for the step's split by term (``pipeline_split``)."""
     tp = mesh.tp
     tp_inter = axis_is_inter_node(tp, 1, gpus_per_node)
     pp_inter = axis_is_inter_node(mesh.pp, tp, gpus_per_node)
@@ -104,10 +119,12 @@ def unit_costs(cap, strategies: dict, units, mesh, dev, *, zero: int, gpus_per_n
     time = np.zeros(len(units))
     for n, k in unit_of.items():
         time[k] += strategy_time(n, strategies[n], tp, dev, tp_inter) + OP_OVERHEAD
+    tp_time = np.zeros(len(units))
     if tp > 1:
         for _, kind, _, nbytes, consumer in tp_collectives(cap, strategies, tp):
             if consumer in unit_of:
-                time[unit_of[consumer]] += collective_time(kind, nbytes, tp, dev, tp_inter)
+                tp_time[unit_of[consumer]] += collective_time(kind, nbytes, tp, dev, tp_inter)
+    time += tp_time
     static = np.zeros(len(units))
     state = state_bytes_per_param_byte(mesh, zero, working_copy)
     for node in cap.params.values():
@@ -129,7 +146,7 @@ def unit_costs(cap, strategies: dict, units, mesh, dev, *, zero: int, gpus_per_n
             sent[last] -= nbytes
     bw = dev.inter_node_bw if pp_inter else dev.intra_node_bw
     boundary = 2 * np.cumsum(sent)[:max(len(units) - 1, 0)] / bw   # activations forward, gradients back
-    return time, static, act, boundary
+    return (time, static, act, boundary, tp_time) if tp_seconds else (time, static, act, boundary)
 
 
 def rank_param_bytes(static, bounds, mesh, zero: int, working_copy: float) -> float:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from autopar.mesh import Mesh
 from autopar.placement import local_shape
 
 from .comm import axis_is_inter_node, collective_time
@@ -43,6 +44,31 @@ def dp_sync_kinds(zero: int) -> list[tuple[str, str]]:
     return [("step", "reduce_scatter"), ("step", "all_gather")] if zero else [("step", "all_reduce")]
 
 
+def dp_sync_collectives(mesh, zero: int) -> list[tuple[str, str, str, float]]:
+    """(phase, kind, axis, share) of each dp collective over the weights on ``mesh``: those of
+    ``dp_sync_kinds`` over all of dp, each moving ``dp_sync_bytes`` (share 1). With a split dp
+    (HSDP) and ZeRO they run over dp_shard, and each reduce-scatter is followed by an all-reduce
+    across dp_replicate of what it leaves, 1/dp_shard of the bytes (FSDP2's HSDP); zero=0
+    all-reduces over all of dp. None without dp."""
+    if mesh.dp == 1:
+        return []
+    if not zero or not mesh.split:
+        return [(phase, kind, "dp", 1.0) for phase, kind in dp_sync_kinds(zero)]
+    out = []
+    for phase, kind in dp_sync_kinds(zero):
+        out.append((phase, kind, "dp_shard", 1.0))
+        if kind == "reduce_scatter":
+            out.append((phase, "all_reduce", "dp_replicate", 1.0 / mesh.dp_shard))
+    return out
+
+
+def axis_collective_time(kind: str, nbytes: float, mesh, axis: str, dev, gpus_per_node: int) -> float:
+    """``collective_time`` of ``kind`` over one mesh axis: its size, at the inter-node tier when
+    its ranks span nodes (``axis_is_inter_node`` with the axes inside it)."""
+    n = mesh.size(axis)
+    return collective_time(kind, nbytes, n, dev, axis_is_inter_node(n, mesh.inner_size(axis), gpus_per_node))
+
+
 def dp_sync_bytes(kind: str, param_bytes: float, zero: int, gathered: float) -> float:
     """Bytes one dp collective of ``dp_sync_kinds`` moves for ``param_bytes`` of fp32 weights:
     ZeRO-2/3 gather at the compute dtype (``gathered`` bytes per stored byte) and reduce in fp32."""
@@ -50,7 +76,7 @@ def dp_sync_bytes(kind: str, param_bytes: float, zero: int, gathered: float) -> 
 
 
 def dp_sync_time(param_bytes: float, mesh, dev, zero: int, gpus_per_node: int, *, microbatches: int = 1,
-                 gathered: float = 1.0, units=None) -> float:
+                 gathered: float = 1.0, units=None, kept=()) -> float:
     """Seconds of the dp collectives over one rank's ``param_bytes`` of weights (``dp_sync_kinds``),
     one bucketed collective per kind, per step (ZeRO-0/1) or per microbatch (ZeRO-2/3), none of it
     overlapped with compute.
@@ -58,31 +84,37 @@ def dp_sync_time(param_bytes: float, mesh, dev, zero: int, gpus_per_node: int, *
     ``units``: (parameter bytes, forward+backward compute seconds) of each unit the rank runs, one
     microbatch, in forward order. Given, ZeRO-2/3's collectives are priced per unit as the graph
     issues them, and only the part that prefetch leaves exposed is counted (``zero_exposed_time``);
-    ZeRO-0/1's sync after the backward is priced as without them."""
+    ZeRO-0/1's sync after the backward is priced as without them. ``kept``: as ``unit_sync_times``.
+    Each collective runs over its axis of ``dp_sync_collectives`` (a split dp: dp_shard, and
+    dp_replicate for the all-reduce of the sharded gradients)."""
     if mesh.dp == 1:
         return 0.0
     if units is not None and zero >= 2:
         unit_bytes, seconds = zip(*units) if units else ((), ())
         return microbatches * zero_exposed_time(*unit_sync_times(unit_bytes, mesh, dev, zero, gpus_per_node,
-                                                                 gathered=gathered), seconds)
-    inter = axis_is_inter_node(mesh.dp, mesh.pp * mesh.tp, gpus_per_node)
+                                                                 gathered=gathered, kept=kept), seconds)
     times = microbatches if zero >= 2 else 1
-    return times * sum(collective_time(k, dp_sync_bytes(k, param_bytes, zero, gathered), mesh.dp, dev, inter)
-                       for _, k in dp_sync_kinds(zero))
+    return times * sum(axis_collective_time(k, share * dp_sync_bytes(k, param_bytes, zero, gathered), mesh, axis, dev,
+                                            gpus_per_node)
+                       for _, k, axis, share in dp_sync_collectives(mesh, zero))
 
 
-def unit_sync_times(unit_bytes, mesh, dev, zero: int, gpus_per_node: int, *, gathered: float = 1.0):
+def unit_sync_times(unit_bytes, mesh, dev, zero: int, gpus_per_node: int, *, gathered: float = 1.0, kept=()):
     """Per unit (its parameter bytes in ``unit_bytes``), seconds of ZeRO-2/3's collectives for one
-    microbatch: the forward all-gather, the backward re-gather (ZeRO-3; 0 under ZeRO-2) and the
-    gradient reduce-scatter, each one collective per unit (``dp_sync_bytes``)."""
+    microbatch: the forward all-gather, the backward re-gather (ZeRO-3; 0 under ZeRO-2 and for the
+    units at the positions ``kept``, a plan's ``keep_gathered``) and the gradient reduce-scatter,
+    each one collective per unit (``dp_sync_bytes``); with a split dp the reduce-scatter's time
+    includes the all-reduce across the replicas that follows it (``dp_sync_collectives``)."""
     if zero < 2:
         raise ValueError(f"zero={zero}: only ZeRO-2 and 3 gather and reduce-scatter per unit")
-    inter = axis_is_inter_node(mesh.dp, mesh.pp * mesh.tp, gpus_per_node)
+    colls = dp_sync_collectives(mesh, zero)
 
-    def each(kind: str) -> list[float]:
-        return [collective_time(kind, dp_sync_bytes(kind, b, zero, gathered), mesh.dp, dev, inter) for b in unit_bytes]
-    gather = each("all_gather")
-    return gather, gather if zero >= 3 else [0.0] * len(gather), each("reduce_scatter")
+    def each(phase: str, kinds) -> list[float]:
+        return [sum(axis_collective_time(k, share * dp_sync_bytes(k, b, zero, gathered), mesh, axis, dev, gpus_per_node)
+                    for ph, k, axis, share in colls if ph == phase and k in kinds) for b in unit_bytes]
+    gather = each("fwd", ("all_gather",))
+    regather = [0.0 if zero < 3 or k in kept else g for k, g in enumerate(gather)]
+    return gather, regather, each("bwd", ("reduce_scatter", "all_reduce"))
 
 
 BACKWARD_SHARE = 2 / 3   # of a unit's compute: a matmul's backward is two matmuls of its forward's size
@@ -145,9 +177,14 @@ def rank_unit_figures(time, static, bounds, mesh, state: float) -> list[tuple[fl
     the pipeline rank holding the most parameters (``stages.rank_param_bytes``'s), read off the
     units' ``unit_costs`` (``time``, ``static`` bytes, ``state`` of them per parameter byte)
     under the cut ``bounds``, in the order the rank runs them."""
+    return [(float(static[k]) / state, float(time[k])) for k in rank_units(static, bounds, mesh)]
+
+
+def rank_units(static, bounds, mesh) -> list[int]:
+    """The units (indices, in the order it runs them) of the pipeline rank whose units hold the most
+    ``static`` bytes under the cut ``bounds``: the rank ``rank_unit_figures`` prices."""
     ranks = [[k for s, (a, b) in enumerate(bounds) if s % mesh.pp == r for k in range(a, b)] for r in range(mesh.pp)]
-    busiest = max(ranks, key=lambda ks: sum(static[k] for k in ks))
-    return [(float(static[k]) / state, float(time[k])) for k in busiest]
+    return max(ranks, key=lambda ks: sum(static[k] for k in ks))
 
 
 def param_byte_time(mesh, dev, *, zero: int, working_copy: bool, gpus_per_node: int = 8) -> float:
@@ -156,7 +193,7 @@ def param_byte_time(mesh, dev, *, zero: int, working_copy: bool, gpus_per_node: 
     dp gradient sync (``dp_sync_time``; its latency does not depend on the placements), as the
     plan prices them (with pipeline stages each rank holds about 1/pp of the layers, so 1/pp of
     it is charged). The tp ILP adds it to each parameter strategy's cost."""
-    seconds = update_time(1.0, dev, working_copy=working_copy, optimizer_shards=mesh.dp if zero else 1)
+    seconds = update_time(1.0, dev, working_copy=working_copy, optimizer_shards=mesh.dp_shard if zero else 1)
     seconds += dp_sync_time(1.0, mesh, dev, zero, gpus_per_node) - dp_sync_time(0.0, mesh, dev, zero, gpus_per_node)
     return seconds / mesh.pp
 
@@ -164,18 +201,20 @@ def param_byte_time(mesh, dev, *, zero: int, working_copy: bool, gpus_per_node: 
 def rank_update_time(param_bytes: float, mesh, dev, zero: int, working_copy: bool, *,
                      offload: bool = False) -> float:
     """``update_time`` of a rank holding ``param_bytes`` of fp32 parameters, its optimizer state
-    sharded over dp under ZeRO-1; with ``offload`` stepped on the host."""
-    return update_time(param_bytes, dev, working_copy=working_copy, optimizer_shards=mesh.dp if zero else 1,
+    sharded over dp_shard (all of dp unless it is split) from ZeRO-1 on; with ``offload`` stepped on the host."""
+    return update_time(param_bytes, dev, working_copy=working_copy, optimizer_shards=mesh.dp_shard if zero else 1,
                        offload=offload)
 
 
 def plan_update_time(memory, mesh, zero: int, precision: str, dev, *, offload: bool = False) -> float:
     """``rank_update_time`` of the pipeline rank holding the most parameters, read off its stages'
     ``memory`` (a plan's MemoryPlans): AdamW state is two fp32 moments per fp32 parameter, 1/dp of
-    them under ZeRO-1; offloaded, the host holds them with the fp32 master (``MemoryPlan.host``:
-    three fp32 numbers per parameter). ``mesh``: (dp, pp, tp)."""
-    dp, pp = mesh[0], mesh[1]
-    shards = dp if zero else 1
+    them (1/dp_shard with a split dp) from ZeRO-1 on; offloaded, the host holds them with the fp32
+    master (``MemoryPlan.host``: three fp32 numbers per parameter). ``mesh``: a Mesh, or a plan's
+    (dp, pp, tp) (dp then unsplit)."""
+    mesh = Mesh.parse(mesh)
+    pp = mesh.pp
+    shards = mesh.dp_shard if zero else 1
     per_rank = [sum(m.host / 3 if offload else m.optimizer / 2 for m in memory if m.stage % pp == r) * shards
                 for r in range(pp)]
     return update_time(max(per_rank, default=0.0), dev, working_copy=precision != "fp32",

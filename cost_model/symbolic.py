@@ -109,7 +109,7 @@ def cost_expr(model: torch.nn.Module, plan, layout, example_inputs=None, *, devi
     from autopar.passes.capture import capture_pass
 
     dev = _device(plan, device)
-    mesh = Mesh(*plan.mesh)
+    mesh = Mesh.of_plan(plan)
     shapes = [tuple(s) for s in plan.input_shapes]
     if not shapes or any(len(s) < 2 or s[:2] != shapes[0][:2] for s in shapes):
         raise ValueError(f"cost_expr reads dim 0 of every input as the batch and dim 1 as the sequence, "
@@ -133,7 +133,7 @@ def cost_expr(model: torch.nn.Module, plan, layout, example_inputs=None, *, devi
     to_global = {b: B / (mesh.dp * plan.microbatches)}
     compute, comm = compute.subs(to_global), comm.subs(to_global)
     stage_memory = tuple(m.subs(to_global) for m in stage_memory)
-    update = sympy.Float(plan_update_time(plan.memory, plan.mesh, plan.zero, plan.precision, dev))
+    update = sympy.Float(plan_update_time(plan.memory, mesh, plan.zero, plan.precision, dev))
     return CostExpr(step_time(compute, [comm], update), compute, comm, update, _max(stage_memory), stage_memory, B, S,
                     (b0 * mesh.dp * plan.microbatches, s0))
 

@@ -28,6 +28,10 @@ own units, at its start when the unit before is another stage's. The backward's 
 inside the autograd Functions, as launch and ``wait_tensor``: eager runs them in place; compiled
 with ``autopar.overlap.overlap_backend()``, its joint-graph pass keeps the re-gathers in the
 backward and Inductor's reordering launches them early and sinks the reduce-scatters' waits.
+
+HSDP (a split dp, ``replicate``): the shards are dp_shard's (``group``, ``size``) and each
+reduce-scattered gradient is all-reduced across the dp_replicate ranks holding the same shard
+before the mean over all of dp, inside the same backward (FSDP2's HSDP).
 """
 from __future__ import annotations
 
@@ -70,9 +74,14 @@ def gather_name(unit: int, fqn: str) -> str:
 
 def zero_pass(gm: GraphModule, *, units: list[list[str]], rows: dict[str, int], group: str, size: int,
               dtype: torch.dtype | None, reshard: set[int] = frozenset(),
-              recomputed: set[str] = frozenset(), once: set[str] = frozenset()) -> GraphModule:
+              recomputed: set[str] = frozenset(), once: set[str] = frozenset(), replicate: str | None = None,
+              replicas: int = 1, prefetch: bool = True) -> GraphModule:
     """Feed the parameters of ``rows`` (FQN -> rows of its tp shard) as dp shards, all-gathered over ``group`` before each unit."""
     out = copy_graph(gm)
+    # without prefetch each gather is launched where its weights are used (launch returns no node)
+    launch = _launch if prefetch else (lambda *_: None)
+    # where the reduce-scattered gradients are all-reduced next (HSDP), as keywords: an unsplit dp's graph is unchanged
+    across = dict(replicate=replicate, replicas=replicas) if replicate is not None else {}
     g = out.graph
     unit = _unit_index(units)
 
@@ -101,13 +110,13 @@ def zero_pass(gm: GraphModule, *, units: list[list[str]], rows: dict[str, int], 
                     # its checkpoint region, kept whole from the forward to the backward
                     recomputes = user.meta.get("origin", user.name) in recomputed
                     _reshard_linear(g, user, ph, args,
-                                    None if recomputes else _launch(g, launch_at[k], ph, args, meta))
+                                    None if recomputes else launch(g, launch_at[k], ph, args, meta), across)
                 users = [u for u in users if u not in linears]
                 if not users:
                     continue
-            pending = _launch(g, launch_at[k], ph, args, meta)
+            pending = launch(g, launch_at[k], ph, args, meta)
             with g.inserting_before(first_op[k]):
-                gathered = g.call_function(gather_param, (ph, *args, pending))
+                gathered = g.call_function(gather_param, (ph, *args, pending), across)
             gathered.meta.update(meta)
             if full is not None:
                 gathered.meta["val"] = full if dtype is None else full.to(dtype)
@@ -139,13 +148,14 @@ def _is_linear_of(user, ph) -> bool:
             and ph not in (user.args[0], *user.args[2:]))
 
 
-def _reshard_linear(g, user, ph, args, pending) -> None:
+def _reshard_linear(g, user, ph, args, pending, across) -> None:
     """Replace ``user``, a linear whose weight is ``ph``, by a ``sharded_linear`` on the shard (and
-    its bias added after) that waits on ``pending``, its weight's prefetched gather (None: it gathers)."""
+    its bias added after) that waits on ``pending``, its weight's prefetched gather (None: it gathers);
+    ``across``: the replicate group and replicas of its gradient's all-reduce (HSDP; empty without)."""
     meta = {"origin": user.meta.get("origin", user.name),   # what recompute regions and stages name it by
             **{k: v for k, v in user.meta.items() if k in ("val", "module_path")}}
     with g.inserting_before(user):
-        y = g.call_function(sharded_linear, (user.args[0], ph, *args, pending))
+        y = g.call_function(sharded_linear, (user.args[0], ph, *args, pending), across)
         y.meta.update(meta)
         if len(user.args) > 2 and user.args[2] is not None:
             y = g.call_function(torch.ops.aten.add.Tensor, (y, user.args[2]))

@@ -3,11 +3,6 @@ the shared helpers (parity, pool) however pytest is started; runs the pooled ran
 background while the tests that need no ranks run (``pool.start``)."""
 import os
 
-# Inductor's CPU kernels are scalar C++ in the tests: gcc builds vectorised ones in about a third
-# more time (14 s against 19 s for a two-block GPT's first compiled step, cold cache), and nothing
-# the tests check (the collectives' order, parity, memory) depends on the vectorisation. Set
-# before any test imports Inductor; the pooled ranks start with this environment. A user's value wins.
-os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 # The pooled ranks keep the cores busy while this process runs its own tests: one intra-op thread
 # here (and in the subprocesses tests start) rather than threads that contend with the ranks for
 # the same cores. Ranks that autopar.launch.spawn starts get their own share (its OMP_NUM_THREADS).

@@ -69,3 +69,31 @@ def pm_curve(pm, opt, inputs, steps: int) -> list[float]:
         curve.append(pm.train_step(*inputs).item())
         opt.step()
     return curve
+
+
+def adamw_for(pm, optimizer: str, lr: float):
+    """AdamW over ``pm``'s parameters as a user writes it ("plain": ``torch.optim.AdamW(pm.parameters())``)
+    or through ``pm.optimizer`` (any other value)."""
+    return torch.optim.AdamW(pm.parameters(), lr=lr) if optimizer == "plain" else pm.optimizer(torch.optim.AdamW, lr=lr)
+
+
+def counted_gathers_step(pm, inputs) -> tuple[float, tuple[int, int, int]]:
+    """One eager train step of a ZeRO-2/3 ``pm``: its loss and (gather_param nodes, sharded_linear
+    nodes in the rank's graphs and their regions, weight gathers the step ran, the backward's
+    re-gathers included)."""
+    from autopar import collectives as C
+
+    calls = [0]
+    gather = C._gather_weight
+
+    def counted(*args):
+        calls[0] += 1
+        return gather(*args)
+    C._gather_weight = counted
+    try:
+        loss = pm.train_step(*inputs).item()
+    finally:
+        C._gather_weight = gather
+    graphs = [m.graph for m in pm.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+    return loss, (sum(1 for g in graphs for n in g.nodes if n.target is C.gather_param),
+                  sum(1 for g in graphs for n in g.nodes if n.target is C.sharded_linear), calls[0])

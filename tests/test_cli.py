@@ -35,6 +35,10 @@ def _commands(d):
         "missing": (["plan", f"{d / 'mymodel.py'}:missing", "--mesh", "1,1,4"], 120, None),
         "cpu": (["plan", f"{d / 'cpumodel.py'}:make", "--mesh", "1,1,2", "--batch", "4", "--out", str(d / "cpu.json")],
                 120, None),
+        "ranking": (["plan", "gpt2", "--mesh", "auto", "--gpus", "4", "--batch", "8", "--seq", "128", "--zero", "3",
+                     "--recompute", "auto", "--memory-budget", "80GiB"], 120, None),
+        "no-fit": (["plan", "gpt2", "--mesh", "2,1,1", "--batch", "8", "--seq", "128", "--zero", "auto",
+                    "--recompute", "auto", "--memory-budget", "1MiB"], 120, None),
     }
 
 
@@ -129,3 +133,21 @@ def test_plan_a_factory_that_builds_on_the_cpu(cli):
     from autopar import Plan
     [head] = [p for p in Plan.from_json(out).parameters if "lm_head.weight" in (p.fqn, *p.aliases)]
     assert {head.fqn, *head.aliases} == {"lm_head.weight", "transformer.wte.weight"}
+
+
+def test_plan_ranks_meshes_with_their_choices_and_says_why(cli):
+    r = cli("ranking")
+    assert r.returncode == 0, r.stderr
+    header = next(line for line in r.stdout.splitlines() if "mesh (dp,pp,tp)" in line)
+    assert header.split()[-11:] == ["step", "ms", "compute", "tp", "pp", "dp", "bubble", "update", "peak", "GiB",
+                                    "fits"]
+    assert re.search(r"winner \(\d+, \d+, \d+\): the fastest that fits", r.stdout)
+    assert "keep_gathered chosen automatically" in r.stdout   # zero=3 with dp > 1 on the winner
+
+
+def test_plan_that_fits_nowhere_says_the_smallest_peak(cli):
+    r = cli("no-fit")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert re.search(r"error: no plan fits the memory budget \(0\.00 GiB\) after choosing zero, recompute: the "
+                     r"smallest peak found is [\d.]+ GiB per device, with mesh \(dp, pp, tp\) = \(2, 1, 1\), zero=\d",
+                     r.stderr), r.stderr

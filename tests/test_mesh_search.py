@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 import autopar
 from autopar.examples.gpt import build, example_inputs
 
-ROW = re.compile(r"^\s*\d+\s+\((\d+), (\d+), (\d+)\)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+(yes|no)$")
+# rank, mesh, microbatches, zero ("3 k5": 5 units kept gathered), recompute ("auto 12": regions), offload,
+# step ms, its terms (compute, tp, pp, dp, bubble, update), peak GiB, fits
+ROW = re.compile(r"^\s*\d+\s+\((\d+), (\d+), (\d+)\)\s+(\d+)\s+(\d(?: k\d+)?)\s+(none|selective|full|auto \d+)"
+                 r"\s+(none|optimizer)\s+([\d.]+)((?:\s+-?[\d.]+){6})\s+([\d.]+)\s+(yes|no)$")
 
 
 def _rows(note: str):
     """(mesh, microbatches, step ms, peak GiB) per ranked row, as printed."""
-    return [((int(m[1]), int(m[2]), int(m[3])), int(m[4]), m[5], m[6])
+    return [((int(m[1]), int(m[2]), int(m[3])), int(m[4]), m[8], m[10])
             for m in map(ROW.match, note.splitlines()) if m]
+
+
+def _table(plan) -> str:
+    return next(n for n in plan.notes if n.startswith("mesh chosen automatically"))
 
 
 def _printed(plan):
@@ -24,10 +33,77 @@ def test_each_ranked_row_is_the_plan_of_its_mesh():
     model = build("gpt2", device="meta", n_layer=4)
     inputs = example_inputs(model.config, 16, 512, device="meta")
     chosen = autopar.plan(model, "auto", inputs, world_size=16)
-    rows = _rows(chosen.notes[0])
+    rows = _rows(_table(chosen))
     assert len(rows) > 3 and {pp for (_, pp, _), *_ in rows} >= {1, 2}   # both kinds of step are ranked
     mesh, m, step, peak = rows[0]
     assert (mesh, m) == (tuple(chosen.mesh), chosen.microbatches)
     assert (step, peak) == _printed(chosen)
     for mesh, m, step, peak in rows[1:4]:
         assert (step, peak) == _printed(autopar.plan(model, mesh, inputs, microbatches=m)), mesh
+
+
+def _gpt2():
+    model = build("gpt2", device="meta", n_layer=4)
+    return model, example_inputs(model.config, 16, 512, device="meta")
+
+
+def test_each_row_shows_the_choices_and_the_terms_of_its_step():
+    model, inputs = _gpt2()
+    chosen = autopar.plan(model, "auto", inputs, world_size=16, zero="auto")
+    table = _table(chosen)
+    rows = [m for m in map(ROW.match, table.splitlines()) if m]
+    assert len(rows) > 3
+    for m in rows:
+        terms = [float(t) for t in m[9].split()]
+        assert sum(terms) == pytest.approx(float(m[8]), abs=4e-3), m[0]   # printed to 3 decimals each
+        pp = int(m[2])
+        assert (terms[2] > 0 or terms[4] > 0) if pp > 1 else terms[2] == terms[4] == 0.0, m[0]   # pp, bubble
+        assert (terms[1] > 0) == (int(m[3]) > 1), m[0]   # tp communication only with tp > 1
+    first = rows[0]
+    assert (int(first[5].split()[0]), first[7]) == (chosen.zero, chosen.offload)
+    assert (first[8], first[10]) == _printed(chosen)
+    why = table.splitlines()[-1]
+    runner = rows[1]
+    assert why.strip().startswith(f"winner ({first[1]}, {first[2]}, {first[3]}): the fastest that fits")
+    assert f"runner-up ({runner[1]}, {runner[2]}, {runner[3]})'s {runner[8]} ms" in why
+
+
+def test_the_split_is_the_plans_own_step_sum():
+    from autopar.mesh import Mesh
+    from autopar.passes.capture import capture_pass
+    from autopar.planner.decide import _decide_offload
+    model, inputs = _gpt2()
+    for mesh, m in (((4, 2, 2), 4), ((8, 1, 2), 2)):
+        d = _decide_offload(model, Mesh(*mesh), inputs, plan="auto", sequence_parallel="auto", memory_budget=None,
+                            schedule="1F1B", microbatches=m, zero=3, device="h100", gpus_per_node=8, stages=None,
+                            virtual_stages=None, recompute="none", precision="fp32", offload="none",
+                            capture=lambda x: capture_pass(model, x, require_loss=True))
+        assert sum(d.terms.values()) == pytest.approx(d.step_time, rel=1e-12), mesh
+        assert d.terms["dp"] == pytest.approx(d.fields["predicted_comm_s"] - (d.terms["tp"] if mesh[1] == 1 else 0))
+
+
+def test_recompute_auto_with_mesh_auto_fits_the_device_by_default():
+    from autopar.cost_model import get_device
+    model, inputs = _gpt2()
+    default = autopar.plan(model, "auto", inputs, world_size=4, recompute="auto")
+    given = autopar.plan(model, "auto", inputs, world_size=4, recompute="auto",
+                         memory_budget=get_device("h100").memory_bytes)
+    assert default.diff(given) == "no differences"
+    assert default.mesh == given.mesh and max(m.peak for m in default.memory) <= get_device("h100").memory_bytes
+    # and at a fixed mesh too
+    fixed = autopar.plan(model, (4, 1, 1), inputs, recompute="auto")
+    assert fixed.recompute == "auto" and fixed.recompute_regions == ()   # it fits one H100 without recompute
+
+
+def test_no_mesh_fits_names_the_smallest_peak_and_what_to_change():
+    model, inputs = _gpt2()
+    with pytest.raises(autopar.PlanError) as e:
+        autopar.plan(model, "auto", inputs, world_size=4, zero="auto", recompute="auto", memory_budget="200MiB")
+    text = str(e.value)
+    peaks = re.findall(r"the smallest peak found is ([\d.]+) GiB per device, with mesh \(dp, pp, tp\) = "
+                       r"\((\d+), (\d+), (\d+)\), zero=(\d), recompute=auto \((\d+) regions\), offload=none", text)
+    assert peaks, text
+    assert "after choosing mesh, zero, recompute" in text and "--gpus 8" in text and "memory_budget of at least" in text
+    # the smallest peak is the least of the ranked rows' (the table follows the message)
+    rows = [float(m[10]) for m in map(ROW.match, text.splitlines()) if m]
+    assert rows and float(peaks[0][0]) == pytest.approx(min(rows), abs=6e-3)

@@ -9,10 +9,9 @@ import torch
 
 import autopar
 import pool
-from autopar import collectives as C
 from autopar.examples.gpt import example_inputs
 from autopar.passes.zero import shard_rows
-from parity import SEQ, TINY, make_model, reference
+from parity import SEQ, TINY, adamw_for, counted_gathers_step, make_model, pm_curve, reference
 
 STEPS, LR, BATCH = 10, 1e-3, 8
 # (mesh, zero, optimizer, knobs): plain = torch.optim.AdamW(pm.parameters()), own = pm.optimizer(AdamW)
@@ -28,31 +27,15 @@ def _one(rank, world, mesh, zero, optimizer, knobs):
     model = make_model()
     idx, tgt = example_inputs(TINY, BATCH, SEQ)
     plan = "megatron" if mesh[2] > 1 else "auto"
-    pm = autopar.parallelize(model, mesh, (idx, tgt), zero=zero, plan=plan, **{"compile": False, **knobs})
-    calls = [0]
-    gather = C._gather_weight
-
-    def counted(*args):   # eager: every gather the step runs, the backward's re-gathers included
-        calls[0] += 1
-        return gather(*args)
-    C._gather_weight = counted
-    try:
-        loss = pm.train_step(idx, tgt).item()
-    finally:
-        C._gather_weight = gather
+    # every unit resharded under zero=3 (the planner would keep this tiny model's blocks gathered;
+    # tests/test_keep_gathered.py runs its choice)
+    pm = autopar.parallelize(model, mesh, (idx, tgt), zero=zero, plan=plan, keep_gathered=(),
+                             **{"compile": False, **knobs})
+    loss, gathers = counted_gathers_step(pm, (idx, tgt))
     grads = pm.full_grads()
     held = {fqn: (p.shape[0], pm.plan.param(fqn).local_shape[0], pm.dp_rows(fqn), pm.coords["dp"])
             for fqn, p in pm.named_parameters()}
-    graphs = [m.graph for m in pm.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]   # regions too
-    gathers = (sum(1 for g in graphs for n in g.nodes if n.target is C.gather_param),
-               sum(1 for g in graphs for n in g.nodes if n.target is C.sharded_linear), calls[0])
-    opt = (torch.optim.AdamW(pm.parameters(), lr=LR) if optimizer == "plain"
-           else pm.optimizer(torch.optim.AdamW, lr=LR))
-    curve = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        curve.append(pm.train_step(idx, tgt).item())
-        opt.step()
+    curve = pm_curve(pm, adamw_for(pm, optimizer, LR), (idx, tgt), STEPS)
     return loss, grads, curve, held, gathers, pm.plan.zero
 
 

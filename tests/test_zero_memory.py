@@ -111,7 +111,8 @@ def _measure(mesh, zero) -> dict:
     phase) and the plan's MemoryPlan, in bytes."""
     model = make_model(CFG)
     inputs = example_inputs(CFG, BATCH, SEQ)
-    pm = autopar.parallelize(model, mesh, inputs, zero=zero, compile=COMPILE)
+    # every unit resharded under zero=3 (the planner would keep this small model's blocks gathered)
+    pm = autopar.parallelize(model, mesh, inputs, zero=zero, compile=COMPILE, keep_gathered=())
     del model   # its parameters are pm's shards now
     opt = pm.optimizer(torch.optim.AdamW, lr=1e-3)
     for _ in range(2):

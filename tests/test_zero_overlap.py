@@ -53,7 +53,7 @@ def test_exposed_time_by_hand():
 def planned():
     model = build("gpt3-1.3b", device="meta")
     x = example_inputs(model.config, 8, 2048, device="meta")
-    return decide(model, (8, 1, 1), x, device="h100", zero=3)
+    return decide(model, (8, 1, 1), x, device="h100", zero=3, keep_gathered=())   # every unit resharded
 
 
 def test_zero3_prefetch_hides_part_of_the_dp_traffic(planned):
@@ -85,7 +85,7 @@ def test_pipeline_rank_units_are_the_busiest_ranks():
 
     model = build("gpt3-1.3b", device="meta", n_layer=4)
     cap, strategies, plan = decide(model, (4, 2, 1), example_inputs(model.config, 16, 2048, device="meta"),
-                                   device="h100", zero=3)
+                                   device="h100", zero=3, keep_gathered=())
     dev, mesh, units = get_device("h100"), Mesh(*plan.mesh), layer_units(cap)
     time, static, _, _ = unit_costs(cap, strategies, units, mesh, dev, zero=3, gpus_per_node=8, working_copy=0.0)
     bounds = override_bounds([s.modules for s in plan.stages], units, len(plan.stages))
@@ -131,6 +131,11 @@ def test_zero_pass_launches_each_gather_where_the_unit_before_starts():
         prefetched += 1
     linears = sum(1 for w in waits if w.target is C.sharded_linear)
     assert linears == 9 and prefetched == len(waits) - 4   # 4 linears per block, the tied head
+    # without prefetch (eager on gloo) every gather and linear gathers its weights where it runs
+    plain = zero_pass(cap.gm, units=units, rows=rows, group="0", size=2, dtype=None,
+                      reshard=set(range(len(units))), prefetch=False)
+    assert not any(n.target is C.prefetch_gather for n in plain.graph.nodes)
+    assert [n.args[-1] for n in plain.graph.nodes if n.target in (C.gather_param, C.sharded_linear)] == [None] * len(waits)
 
 
 # ---- the compiled per-rank code (2 gloo ranks) ---------------------------------------------------
@@ -145,7 +150,7 @@ def _step(rank, world, compile_):
     # one's plain-Inductor run, from Inductor's cache
     model = make_model(ZERO_CFG)
     idx, tgt = example_inputs(ZERO_CFG, ZERO_BATCH, ZERO_SEQ)
-    pm = autopar.parallelize(model, (2, 1, 1), (idx, tgt), zero=3, compile=compile_)
+    pm = autopar.parallelize(model, (2, 1, 1), (idx, tgt), zero=3, compile=compile_, keep_gathered=())
     if compile_:
         loss, codes = run_and_get_code(pm.train_step, idx, tgt)
     else:
@@ -161,7 +166,9 @@ def _step(rank, world, compile_):
     for n in cap.graph.nodes:
         if n.target is C.prefetch_gather:
             units.setdefault(n.args[0].meta["fqn"], []).append(int(n.meta["origin"].split(".")[1]))
-        if n.target is C.sharded_linear:   # what the backward gathers again, for the unit of its wait
+        # what the backward gathers again, for the unit of its wait (the eager run on gloo launches
+        # each gather where it is used: no prefetch to read the unit from)
+        if n.target is C.sharded_linear and n.args[-1] is not None:
             linears[n.args[1].meta["fqn"]] = [int(n.args[-1].meta["origin"].split(".")[1])]
     return float(loss), grads, codes, fqns, shapes, (units, linears)
 

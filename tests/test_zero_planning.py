@@ -26,7 +26,8 @@ def _peak(plan):
     return max(m.peak for m in plan.memory)
 
 
-def test_each_stage_shards_more_state(stages):
+def test_each_stage_shards_more_state(stages, resharded):
+    stages = {**stages, 3: resharded}   # ZeRO-3 with every unit resharded after its forward
     peaks = {z: _peak(stages[z]) for z in stages}
     # ZeRO-2 keeps every gathered weight through the step: with one microbatch its sharded
     # gradients do not lower the peak (at the forward's end) below ZeRO-1's, only ZeRO-0's
@@ -74,3 +75,112 @@ def test_bad_zero_and_bad_kept_units(gpt, stages):
     assert autopar.plan(model, MESH, x, device="h100", plan=kept).keep_gathered == ("transformer.h.0",)
     with pytest.raises(PlanFormatError, match="only zero=3"):
         autopar.plan(model, MESH, x, device="h100", plan=dataclasses.replace(stages[2], keep_gathered=("transformer.h.0",)))
+
+
+# ---- ZeRO-3's per-unit reshard choice (keep_gathered) ------------------------------------------
+
+def _edited(plan, keep):
+    import dataclasses
+    return dataclasses.replace(plan, keep_gathered=tuple(keep), notes=())
+
+
+@pytest.fixture(scope="module")
+def resharded(gpt, stages):
+    """The zero=3 plan with every unit resharded (an edited plan: kept as written)."""
+    model, x = gpt
+    return autopar.plan(model, MESH, x, device="h100", plan=_edited(stages[3], ()))
+
+
+def test_zero3_keeps_every_block_gathered_when_memory_allows(gpt, stages, resharded):
+    model, _ = gpt
+    roomy = stages[3]   # planned against one H100's 80 GiB: every block fits kept
+    blocks = tuple(f"transformer.h.{i}" for i in range(model.config.n_layer))
+    # the embedding (no linear) and the tied head (its weight is gathered once) have no re-gather to save
+    assert roomy.keep_gathered == blocks
+    assert any(n.startswith("keep_gathered chosen automatically: 24 of 26 units") for n in roomy.notes)
+    assert resharded.keep_gathered == () and not any("keep_gathered chosen" in n for n in resharded.notes)
+    assert _peak(resharded) < _peak(roomy) <= 80 * 2**30
+    # kept gathered, ZeRO-3 holds what ZeRO-2 holds and skips the same re-gathers
+    assert _peak(roomy) == pytest.approx(_peak(stages[2]))
+    assert roomy.predicted_comm_s < resharded.predicted_comm_s
+    kept, every = (sum(c.bytes for c in p.collectives if (c.axis, c.phase, c.kind) == ("dp", "bwd", "all_gather"))
+                   for p in (roomy, resharded))
+    assert kept < every   # the kept blocks' re-gathers are not issued
+
+
+def test_zero3_keeps_what_fits_the_budget_and_prices_the_saved_regathers(gpt, resharded, stages):
+    from autopar.cost_model import collective_time, get_device
+    model, x = gpt
+    budget = (_peak(resharded) + _peak(stages[3])) / 2
+    part = autopar.plan(model, MESH, x, device="h100", zero=3, memory_budget=budget)
+    kept = part.keep_gathered
+    assert 0 < len(kept) < model.config.n_layer and _peak(part) <= budget
+    # equal blocks save the same per byte: the first ones in forward order are kept
+    assert kept == tuple(f"transformer.h.{i}" for i in range(len(kept)))
+    note = next(n for n in part.notes if n.startswith("keep_gathered chosen automatically"))
+    assert f"keeping transformer.h.{len(kept)} too would need" in note
+    # each kept block adds its gathered weights to the peak ...
+    block = sum(p.numel() * 4 for n, p in model.named_parameters() if n.startswith("transformer.h.0."))
+    assert _peak(part) - _peak(resharded) == pytest.approx(len(kept) * block, rel=1e-9)
+    # ... and saves one all-gather of them over dp, one microbatch, not overlapped (by hand)
+    dev = get_device("h100")
+    saved = len(kept) * collective_time("all_gather", block, MESH[0], dev, False)
+    assert resharded.predicted_step_time - part.predicted_step_time == pytest.approx(saved, rel=1e-6)
+
+
+def test_an_edited_keep_gathered_is_priced_and_shown(gpt, stages, resharded, tmp_path):
+    model, x = gpt
+    one = autopar.plan(model, MESH, x, device="h100", plan=_edited(stages[3], ["transformer.h.3"]))
+    assert one.keep_gathered == ("transformer.h.3",)   # the edit stands: no automatic choice over it
+    assert resharded.predicted_step_time > one.predicted_step_time > stages[3].predicted_step_time
+    assert _peak(resharded) < _peak(one) < _peak(stages[3])
+    assert "kept gathered from forward to backward: transformer.h.3" in one.summary()
+    assert "keep_gathered: ('transformer.h.3',) -> ()" in one.diff(resharded)
+    html = one.to_html()
+    assert "kept gathered from forward to backward" in html and "transformer.h.3" in html
+    # read back unchanged, it is the same plan
+    again = autopar.plan(model, MESH, x, device="h100", plan=autopar.Plan.from_json(one.to_json()))
+    assert again.diff(one) == "no differences" and again.source == one.source
+
+
+def test_no_combination_fits_is_an_error_naming_the_smallest_peak(gpt, resharded):
+    model, x = gpt
+    # below the least peak, above the sharded state (the tp ILP's own memory check passes at zero=3)
+    with pytest.raises(autopar.PlanError) as e:
+        autopar.plan(model, MESH, x, device="h100", zero="auto", memory_budget=0.9 * _peak(resharded))
+    text = str(e.value)
+    # zero=3 with every unit resharded holds the least
+    assert f"the smallest peak found is {_peak(resharded) / 2**30:.2f} GiB" in text
+    assert "mesh (dp, pp, tp) = (8, 1, 1), zero=3, recompute=none, offload=none" in text
+    assert "memory_budget of at least" in text and "recompute='auto'" in text and "--gpus 16" in text
+
+
+def test_the_keep_gathered_knob(gpt, resharded):
+    model, x = gpt
+    none = autopar.plan(model, MESH, x, device="h100", zero=3, keep_gathered=())
+    assert none.keep_gathered == () and none.predicted_step_time == pytest.approx(resharded.predicted_step_time)
+    assert _peak(none) == pytest.approx(_peak(resharded))
+    named = autopar.plan(model, MESH, x, device="h100", zero=3, keep_gathered=["transformer.h.3"])
+    assert named.keep_gathered == ("transformer.h.3",)
+    assert autopar.plan(model, MESH, x, device="h100", zero=1, keep_gathered=["transformer.h.3"]).keep_gathered == ()
+    with pytest.raises(PlanFormatError, match="keep_gathered=: the model has no unit transformer.h.99"):
+        autopar.plan(model, MESH, x, device="h100", zero=3, keep_gathered=["transformer.h.99"])
+    with pytest.raises(ValueError, match="keep_gathered='some'"):
+        autopar.plan(model, MESH, x, device="h100", zero=3, keep_gathered="some")
+
+
+def test_pipeline_stages_keep_what_fits_too():
+    import dataclasses
+    model = build("gpt2", device="meta", n_layer=4)
+    x = example_inputs(model.config, 16, 512, device="meta")
+    mesh = (2, 2, 1)
+    every = autopar.plan(model, mesh, x, device="h100", zero=3)
+    none = autopar.plan(model, mesh, x, device="h100", zero=3, keep_gathered=())
+    assert every.keep_gathered and _peak(none) < _peak(every)
+    budget = (_peak(none) + _peak(every)) / 2
+    part = autopar.plan(model, mesh, x, device="h100", zero=3, memory_budget=budget)
+    assert 0 < len(part.keep_gathered) < len(every.keep_gathered) and _peak(part) <= budget
+    assert every.predicted_step_time < part.predicted_step_time < none.predicted_step_time
+    assert [s.modules for s in part.stages] == [s.modules for s in none.stages]   # the cut stays
+    again = autopar.plan(model, mesh, x, device="h100", plan=dataclasses.replace(part, notes=()))
+    assert again.diff(part) == "no differences"

@@ -15,10 +15,12 @@ import numpy as np
 import torch
 
 from autopar.cost_model import get_device
-from autopar.cost_model.stages import SCHEDULES, rank_param_bytes, state_bytes_per_param_byte, unit_costs
+from autopar.cost_model.memory import kept_gathered_bytes
+from autopar.cost_model.stages import (SCHEDULES, pipeline_split, rank_param_bytes, state_bytes_per_param_byte,
+                                       unit_costs)
 from autopar.cost_model.strategy import OP_OVERHEAD
-from autopar.cost_model.step import (dp_sync_time, param_byte_time, plan_update_time, rank_unit_figures, rank_update_time,
-                                     step_time)
+from autopar.cost_model.step import (dp_sync_time, param_byte_time, plan_update_time, rank_unit_figures, rank_units,
+                                     rank_update_time, step_time, unit_sync_times)
 from autopar.errors import PlanError, PlanFormatError
 from autopar.mesh import Mesh
 from autopar.passes.capture import Captured, capture_pass
@@ -28,12 +30,13 @@ from autopar.placement import Shard
 from autopar.planner.megatron import megatron_options
 from autopar.planner.mesh_search import rank_meshes, ranking_table
 from autopar.planner.recompute import choose_recompute, memory_breakdown, regions_for
+from autopar.planner.reshard import choose_kept
 from autopar.planner.sharding import (Assignment, check_tp, enumerate_strategies, sharding_fields, solve,
                                       strategies_from_plan, with_regather)
 from autopar.planner.stage_cut import choose_cut
 from autopar.planner.stage_dp import cut_stages, inflight_microbatches, min_peak_memory
 from autopar.plans import (OFFLOADS, Plan, StagePlan, axis_warnings, edited_source, fit_warning,
-                           offload_limit)
+                           offload_limit, zero_on_mesh)
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -64,6 +67,17 @@ def check_knobs(mesh: Mesh, recompute, schedule, zero, sequence_parallel, offloa
         raise ValueError(f"offload={offload!r}: expected 'none' (everything on the device), 'optimizer' (the fp32 "
                          "master weights and AdamW state in host memory, stepped by the CPU) or 'auto' (offload "
                          "only when the plan fits the memory budget with it and not without)")
+
+
+def _keep_knob(keep_gathered):
+    """``keep_gathered`` as the planner takes it: "auto", or a tuple of unit names."""
+    if isinstance(keep_gathered, str) and keep_gathered == "auto":
+        return keep_gathered
+    if isinstance(keep_gathered, (list, tuple)) and all(isinstance(n, str) for n in keep_gathered):
+        return tuple(keep_gathered)
+    raise ValueError(f"keep_gathered={keep_gathered!r}: expected 'auto' (the planner keeps what fits the memory "
+                     "budget under zero=3) or a list of unit names to keep gathered from forward to backward "
+                     "(() reshards every unit)")
 
 
 def _local_inputs(example_inputs, mesh: Mesh, microbatches: int):
@@ -107,8 +121,12 @@ def _microbatch_options(mesh: Mesh, batch: int, schedule: str, microbatches) -> 
 def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto", recompute="none",
            memory_budget=None, schedule="1F1B", microbatches=None, zero=0, device="h100",
            gpus_per_node=8, stages=None, virtual_stages=None, world_size=None,
-           precision="fp32", offload="none") -> tuple[Captured, dict, Plan]:
+           precision="fp32", offload="none", keep_gathered="auto") -> tuple[Captured, dict, Plan]:
     """Capture and plan: the graph, the strategy per node and the Plan (no process group needed).
+
+    ``keep_gathered`` (zero=3): "auto", the planner keeps gathered from forward to backward the
+    units it can afford within the memory budget (``autopar.planner.reshard``); or the unit names
+    to keep, () resharding every unit after its forward (FSDP2's default).
 
     With pp > 1 and no ``microbatches``, every count the schedule can take is planned and
     the one with the lowest predicted step time is kept. ``mesh="auto"`` needs ``world_size``:
@@ -127,7 +145,7 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
     knobs = dict(plan=plan, sequence_parallel=sequence_parallel, memory_budget=memory_budget,
                  schedule=schedule, zero=zero, device=device, gpus_per_node=gpus_per_node, stages=stages,
                  virtual_stages=virtual_stages, recompute=recompute, precision=precision, capture=capture,
-                 offload=offload)
+                 offload=offload, keep_gathered=_keep_knob(keep_gathered))
     planned: dict = {}
     if isinstance(mesh, str) and mesh == "auto":
         def price(candidate: Mesh, m: int) -> Decision:   # the candidate's plan, as it is made below
@@ -137,7 +155,9 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
 
         budget = parse_bytes(memory_budget)
         mesh, microbatches, notes = _auto_mesh(example_inputs, world_size, price=price, capture=capture,
-                                               gpus_per_node=gpus_per_node,
+                                               gpus_per_node=gpus_per_node, default_budget=budget is None,
+                                               device=get_device(device).name,
+                                               searched=dict(zero=zero, offload=offload, recompute=recompute),
                                                memory_budget=get_device(device).memory_bytes if budget is None
                                                else budget)
     mesh = Mesh.parse(mesh)
@@ -152,7 +172,42 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
         if m != best.fields["microbatches"]:
             best = _decide_offload(model, mesh, example_inputs, microbatches=m,
                                    **{**knobs, "zero": best.fields["zero"], "offload": best.fields["offload"]})
+    searched = [knob for knob, value in (("zero", zero), ("offload", offload), ("recompute", recompute))
+                if value == "auto" and plan in ("auto", "megatron")]   # a given plan keeps its own choices
+    budget = parse_bytes(memory_budget)
+    limit = get_device(device).memory_bytes if budget is None else budget
+    if searched and best.peak_memory > limit:
+        f = best.fields
+        raise no_fit_error(f["mesh"], f["zero"], f["recompute"], len(f["recompute_regions"]), f["offload"],
+                           best.peak_memory, limit, budget is None, best.dev.name, searched)
     return best.cap, best.strategies, best.plan(notes)
+
+
+def no_fit_error(mesh, zero, recompute, regions: int, offload, peak: float, limit: float, default_budget: bool,
+                 device: str, searched, world_size=None, table: str = "") -> PlanError:
+    """The error when no combination the planner searched (``searched``: the knobs it chose, "mesh"
+    among them for mesh="auto") meets the memory: the smallest peak found, with its choices, and
+    what to change."""
+    gib = 2**30
+    where = (f"one {device}'s memory ({limit / gib:.2f} GiB)" if default_budget
+             else f"the memory budget ({limit / gib:.2f} GiB)")
+    rc = f"{recompute} ({regions} regions)" if recompute == "auto" else recompute
+    text = (f"no plan fits {where} after choosing {', '.join(searched)}: the smallest peak found is "
+            f"{peak / gib:.2f} GiB per device, with mesh (dp, pp, tp) = {tuple(mesh)}, zero={zero}, recompute={rc}, "
+            f"offload={offload}")
+    fixes = [f"a device with at least {peak / gib:.1f} GiB (device=...)" if default_budget
+             else f"a memory_budget of at least {peak / gib:.1f} GiB"]
+    if "recompute" not in searched and recompute != "full":
+        fixes.append("recompute='auto'")
+    if "zero" not in searched and zero != 3 and mesh[0] > 1:
+        fixes.append("zero='auto'")
+    if "offload" not in searched and offload == "none":
+        fixes.append("offload='auto'")
+    devices = mesh[0] * mesh[1] * mesh[2]
+    more = 2 * (world_size or devices)
+    fixes.append(f"more GPUs (pp and tp divide the weights and activations): mesh='auto' with world_size={more} "
+                 f"(`--mesh auto --gpus {more}`)")
+    return PlanError(f"{text}; use {', or '.join(fixes)}" + (f"\n{table}" if table else ""))
 
 
 def _best_microbatches(planned: Decision, mesh: Mesh, options: list[int], knobs: dict) -> int:
@@ -198,15 +253,16 @@ def _best_microbatches(planned: Decision, mesh: Mesh, options: list[int], knobs:
         seconds = step_time(cut.step_time, [dp_sync_time(params, mesh, dev, zero, gpus_per_node, microbatches=m,
                                                          gathered=working_copy or 1.0,
                                                          units=_zero_units(scaled, static, cut.bounds, mesh, zero,
-                                                                           working_copy))],
+                                                                           working_copy)[0])],
                             rank_update_time(params, mesh, dev, zero, working_copy > 0, offload=offload))
         if seconds < best_time:
             best, best_time = m, seconds
     return best
 
 
-def _auto_mesh(example_inputs, world_size, **kw):
-    """The fastest (dp, pp, tp) that fits, its microbatch count, and the ranking as plan notes."""
+def _auto_mesh(example_inputs, world_size, *, default_budget: bool, device: str, searched: dict, **kw):
+    """The fastest (dp, pp, tp) that fits, its microbatch count, and the ranking as plan notes;
+    ``no_fit_error`` when none fits (``searched``: the knobs and their values, ``device`` its name)."""
     if not world_size:
         raise ValueError('mesh="auto" needs the number of devices: pass world_size= (the CLI\'s --gpus)')
     options = rank_meshes(world_size, example_inputs, **kw)
@@ -214,9 +270,13 @@ def _auto_mesh(example_inputs, world_size, **kw):
     best = options[0]
     if not best.fits:
         closest = min(options, key=lambda o: o.peak_memory)
-        need = (f"the closest, {closest.mesh}, needs {closest.peak_memory / 2**30:.1f} GiB per device"
-                if np.isfinite(closest.peak_memory) else f"for {closest.mesh}: {closest.reason}")
-        raise PlanError(f"no mesh of {world_size} devices fits in memory; {need}:\n{table}")
+        if not np.isfinite(closest.peak_memory):
+            raise PlanError(f"no mesh of {world_size} devices fits in memory; for {closest.mesh}: "
+                            f"{closest.reason}:\n{table}")
+        raise no_fit_error((closest.mesh.dp, closest.mesh.pp, closest.mesh.tp), closest.zero, closest.recompute,
+                           closest.recompute_regions, closest.offload, closest.peak_memory, kw["memory_budget"],
+                           default_budget, device, ["mesh"] + [k for k, v in searched.items() if v == "auto"],
+                           world_size, table)
     note = f"mesh chosen automatically among {len(options)} candidates for {world_size} devices:\n{table}"
     return best.mesh, best.microbatches, (note,)
 
@@ -236,6 +296,7 @@ class Decision:
     budget: float | None
     gpus_per_node: int
     given: Plan | None = None
+    terms: dict | None = None   # the step time's terms (compute, tp, pp, bubble, dp, update) that the ranking shows
 
     @property
     def step_time(self) -> float:
@@ -252,20 +313,20 @@ class Decision:
         if self.given is not None:
             fields.update(notes=self.given.notes, model=self.given.model)
         fields["notes"] = fields.get("notes", ()) + tuple(notes)
-        fields["warnings"] = _warnings(_view(fields), self.cap, self.strategies, Mesh(*fields["mesh"]),
+        fields["warnings"] = _warnings(_view(fields), self.cap, self.strategies, Mesh.of_plan(_view(fields)),
                                        self.dev, self.budget, self.gpus_per_node)
         return Plan(**fields)
 
 
-def _check_units(cap, names: tuple[str, ...], zero: int) -> None:
-    """A plan's ``keep_gathered``: units of this model, and only under zero=3."""
+def _check_units(cap, names: tuple[str, ...], zero: int, what: str = "plan.keep_gathered") -> None:
+    """A plan's ``keep_gathered`` (or the knob, ``what``): units of this model, and only under zero=3."""
     if zero != 3:
-        raise PlanFormatError(f"plan.keep_gathered lists {', '.join(names)}, but only zero=3 reshards units "
+        raise PlanFormatError(f"{what} lists {', '.join(names)}, but only zero=3 reshards units "
                               f"(this plan has zero={zero}); empty it or set zero to 3")
     known = [u.name for u in zero_units(cap)]
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise PlanFormatError(f"plan.keep_gathered: the model has no unit {', '.join(unknown)}; its units are "
+        raise PlanFormatError(f"{what}: the model has no unit {', '.join(unknown)}; its units are "
                               f"{', '.join(known)}")
 
 
@@ -279,9 +340,8 @@ def _view(fields: dict) -> SimpleNamespace:
 def _decide_offload(model, mesh, example_inputs, *, offload, memory_budget, device, **knobs) -> Decision:
     """``_decide_zero`` at ``offload``; for offload="auto", with the optimizer on the device and on
     the host, keeping the host ("optimizer") only when the plan misses the memory budget (the
-    device's memory by default) without it and fits with it, else "none" (or "optimizer" when no
-    plan keeps the optimizer on the device within the budget); the choice is said in the plan's
-    notes. A given plan keeps its own choice."""
+    device's memory by default) without it and fits with it, else "none" (the one with the least
+    peak when neither fits); the choice is said in the plan's notes. A given plan keeps its own choice."""
     if offload != "auto" or isinstance(knobs["plan"], Plan):
         return _decide_zero(model, mesh, example_inputs, offload="none" if offload == "auto" else offload,
                             memory_budget=memory_budget, device=device, **knobs)
@@ -298,10 +358,10 @@ def _decide_offload(model, mesh, example_inputs, *, offload, memory_budget, devi
         raise failed["none"]
     fits = {where: d.peak_memory <= limit for where, d in tried.items()}
     chosen = "optimizer" if not fits.get("none") and fits.get("optimizer") else "none"
-    if chosen not in tried:   # no plan keeps the optimizer on the device within the budget, nor fits with it
-        chosen = "optimizer"
+    if not any(fits.values()):   # the least memory, for the error that names it (``no_fit_error``)
+        chosen = min(tried, key=lambda where: tried[where].peak_memory)
     why = ("it fits without offload" if fits.get("none") else "only with offload it fits" if fits.get("optimizer")
-           else "it does not fit either way")
+           else "it does not fit either way; the least memory")
     rows = "; ".join([f"offload={w}: {d.step_time * 1e3:.3f} ms, {d.peak_memory / 2**30:.2f} GiB"
                       f"{'' if fits[w] else ' (does not fit)'}" for w, d in tried.items()]
                      + [f"offload={w}: no plan ({e})" for w, e in failed.items()])
@@ -321,7 +381,7 @@ def _decide_zero(model, mesh, example_inputs, *, zero, memory_budget, device, **
     budget = parse_bytes(memory_budget)
     limit = get_device(device).memory_bytes if budget is None else budget
     tried, failed = [], []
-    for z in (0, 1, 2, 3) if mesh.dp > 1 else (0,):
+    for z in (0, 1, 2, 3) if mesh.dp_shard > 1 else (0,):
         try:
             tried.append(_decide(model, mesh, example_inputs, zero=z, memory_budget=memory_budget, device=device,
                                  **knobs))
@@ -341,7 +401,8 @@ def _decide_zero(model, mesh, example_inputs, *, zero, memory_budget, device, **
 
 
 def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budget, schedule, microbatches,
-            zero, device, gpus_per_node, stages, virtual_stages, recompute, precision, capture, offload) -> Decision:
+            zero, device, gpus_per_node, stages, virtual_stages, recompute, precision, capture, offload,
+            keep_gathered="auto") -> Decision:
     m = microbatches
     v = _virtual(schedule, virtual_stages)
     dev = get_device(device)
@@ -357,8 +418,8 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
     options = enumerate_strategies(cap, mesh.tp, sequence_parallel)   # on the retyped graph's nodes
     regions = None
     if given is not None:   # run as written: re-derive its collectives, times and memory from its choices
-        if tuple(given.mesh) != (mesh.dp, mesh.pp, mesh.tp):
-            raise PlanError(f"plan.mesh {tuple(given.mesh)} does not match the mesh {mesh}")
+        if Mesh.of_plan(given) != mesh:
+            raise PlanError(f"plan.mesh {Mesh.of_plan(given)} does not match the mesh {mesh}; re-plan for this mesh")
         if tuple(map(tuple, given.input_shapes)) != tuple(tuple(i.meta["val"].shape) for i in cap.inputs):
             raise PlanError(f"plan.input_shapes {given.input_shapes} do not match this batch's "
                             "microbatch shapes; re-plan for this batch size")
@@ -379,43 +440,117 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
                                                               gpus_per_node=gpus_per_node))
     else:
         raise ValueError(f"plan={plan!r}: expected 'auto', 'megatron', a Plan or a plan JSON path")
-    notes = ()
-    if zero >= 2 and mesh.dp == 1:
-        notes = (f"zero={zero} asks to shard over dp, but dp=1: nothing to shard; planned as zero=0",)
-        zero = 0
+    zero, notes = zero_on_mesh(zero, mesh)
     refused = offload_limit(offload, precision, zero, (mesh.dp, mesh.pp, mesh.tp), m)
     if refused:
         raise ValueError(refused)
     budget = parse_bytes(memory_budget)
+    limit = dev.memory_bytes if budget is None else budget   # what recompute="auto" and keep_gathered fit in
     sp = any(isinstance(s.output, Shard) and n.target is torch.ops.aten.layer_norm.default
              for n, s in assignment.strategies.items())
+    kept = (tuple(given.keep_gathered) if given is not None
+            else () if keep_gathered == "auto" or zero != 3 else keep_gathered)   # the knob names zero=3's units
+    if kept:
+        _check_units(cap, kept, zero, "plan.keep_gathered" if given is not None else "keep_gathered=")
 
-    def fields_of(assignment, recompute) -> dict:
+    def fields_of(assignment, recompute, kept=()) -> dict:
         fields = sharding_fields(cap, assignment, mesh, dev, sequence_parallel=sp, zero=zero, microbatches=m,
-                                 source=plan, gpus_per_node=gpus_per_node)
+                                 source=plan, gpus_per_node=gpus_per_node, kept=kept)
         fields.update(schedule=schedule, virtual_stages=v)
         if mesh.pp > 1:
             fields.update(_stage_fields(cap, assignment.strategies, mesh, dev, schedule=schedule, virtual=v,
                                         microbatches=m, zero=zero, gpus_per_node=gpus_per_node, memory_budget=budget,
-                                        stages=stages, recompute=recompute, regions=regions))
+                                        stages=stages, recompute=recompute, regions=regions, kept=kept))
         fields.update(_memory_fields(cap, assignment.strategies, mesh, dev, fields, recompute=recompute,
-                                     budget=budget, zero=zero, regions=regions, offload=offload))
+                                     budget=limit, zero=zero, regions=regions, offload=offload, kept=kept))
         return fields
 
     if given is None and sp and budget is not None and _over(lambda: fields_of(assignment, "none"), budget):
         # Megatron's storage rule before any recompute: an all-gather is cheaper than a forward
         assignment = dataclasses.replace(assignment, strategies=with_regather(assignment.strategies))
-    fields = fields_of(assignment, recompute)
+    fields = fields_of(assignment, recompute, kept)
+    if given is None and keep_gathered == "auto" and zero == 3 and mesh.dp > 1:
+        choice = _choose_kept(cap, assignment.strategies, mesh, dev, fields, limit, gpus_per_node)
+        if choice.kept:
+            fields = _with_kept(cap, mesh, dev, fields, choice.kept, gpus_per_node=gpus_per_node,
+                                sharding=lambda: sharding_fields(cap, assignment, mesh, dev, sequence_parallel=sp,
+                                                                 zero=zero, microbatches=m, source=plan,
+                                                                 gpus_per_node=gpus_per_node, kept=choice.kept),
+                                memory=lambda f: _memory_fields(cap, assignment.strategies, mesh, dev, f,
+                                                                recompute=recompute, budget=limit, zero=zero,
+                                                                regions=_regions_from_plan(cap, _view(f)),
+                                                                offload=offload, kept=choice.kept))
+        kept = choice.kept
+        notes += (_kept_note(choice, len(zero_units(cap)), limit, budget is None, dev),)
     if given is not None:   # a plan read back unchanged (parallelize broadcasts JSON) keeps its source
         fields["source"] = given.source if given.derives_as(_view(fields)) else edited_source(given.source)
-    keep = tuple(given.keep_gathered) if given is not None else ()
-    if keep:
-        _check_units(cap, keep, zero)
-    fields.update(notes=notes, keep_gathered=keep, offload=offload)
+    terms = fields.pop("step_terms")
+    fields.pop("dp_units")
+    fields.update(notes=notes, keep_gathered=kept, offload=offload)
     fields.update(precision=precision, peak_flops=dev.flops(compute_dtype(precision)),
-                  predicted_update_s=plan_update_time(fields["memory"], fields["mesh"], zero, precision, dev,
+                  predicted_update_s=plan_update_time(fields["memory"], mesh, zero, precision, dev,
                                                       offload=offload != "none"))
-    return Decision(cap, assignment.strategies, fields, dev, budget, gpus_per_node, given)
+    terms["update"] = fields["predicted_update_s"]
+    return Decision(cap, assignment.strategies, fields, dev, budget, gpus_per_node, given, terms)
+
+
+def _choose_kept(cap, strategies, mesh, dev, fields: dict, limit: float, gpus_per_node: int):
+    """ZeRO-3's units kept gathered for this plan (``autopar.planner.reshard.choose_kept``): each
+    unit's saved re-gather seconds per step from the dp sync's own per-unit figures (``dp_units``:
+    the busiest pipeline rank's units), its gathered bytes and every stage's peak with it from the
+    memory model (``cost_model.memory.kept_gathered_bytes``), within ``limit`` bytes."""
+    _, figures, names = fields["dp_units"]
+    working_copy = working_copy_ratio(cap)
+    regather = unit_sync_times([b for b, _ in figures], mesh, dev, 3, gpus_per_node, gathered=working_copy or 1.0)[1]
+    saved = dict(zip(names, (fields["microbatches"] * t for t in regather)))
+    stage_nodes = _stage_nodes(cap, fields)
+    extras = [kept_gathered_bytes(cap, strategies, mesh, nodes, working_copy) for nodes in stage_nodes]
+    order = [u.name for u in zero_units(cap)]
+    size = {u: b for _, sizes in extras for u, b in sizes.items()}
+    peaks = [m.peak for m in fields["memory"]]
+
+    def peak(kept) -> float:
+        return max(p + extra(kept) for p, (extra, _) in zip(peaks, extras))
+    return choose_kept(order, [saved.get(u, 0.0) for u in order], [size.get(u, 0.0) for u in order], peak, limit)
+
+
+def _with_kept(cap, mesh, dev, fields: dict, kept, *, gpus_per_node: int, sharding, memory) -> dict:
+    """``fields`` re-priced with ZeRO-3's ``kept`` units kept gathered: the collectives and (pp = 1)
+    the step's communication from ``sharding()`` (``sharding_fields`` with them), with pipeline
+    stages the dp sync from the stages' own per-unit figures, and the memory from ``memory(fields)``
+    (``_memory_fields`` with them, the recompute regions as chosen); the stage cut stays."""
+    out = dict(fields)
+    flat = sharding()
+    out.update(collectives=flat["collectives"])
+    if mesh.pp == 1:
+        out.update(predicted_comm_s=flat["predicted_comm_s"], step_terms=flat["step_terms"], dp_units=flat["dp_units"])
+    else:
+        params, figures, names = fields["dp_units"]
+        dp = dp_sync_time(params, mesh, dev, 3, gpus_per_node, microbatches=fields["microbatches"],
+                          gathered=working_copy_ratio(cap) or 1.0, units=figures, kept=_positions(names, kept))
+        out.update(predicted_comm_s=dp, step_terms=dict(fields["step_terms"], dp=dp))
+    out.update(memory(out))
+    return out
+
+
+def _kept_note(choice, units: int, limit: float, default_budget: bool, dev) -> str:
+    """The plan note that says which units stay gathered under ZeRO-3 and why."""
+    where = f"one {dev.name}'s memory" if default_budget else "the memory budget"
+    budget = f"{where} ({limit / 2**30:.2f} GiB)"
+    if not choice.kept:
+        if choice.refused is None:
+            return "keep_gathered chosen automatically: none (no unit's backward re-gather is priced on this mesh)"
+        return (f"keep_gathered chosen automatically: none; every unit reshards after its forward, since keeping "
+                f"even {choice.refused} gathered would raise the peak to {choice.refused_peak / 2**30:.2f} GiB, "
+                f"above {budget}")
+    shown = ", ".join(choice.kept) if len(choice.kept) <= 4 else f"{choice.kept[0]} .. {choice.kept[-1]}"
+    text = (f"keep_gathered chosen automatically: {len(choice.kept)} of {units} units ({shown}) keep their weights "
+            f"gathered from forward to backward, saving {choice.saved * 1e3:.3f} ms of backward re-gathers per step "
+            f"(best saved time per byte first) at a peak of {choice.peak / 2**30:.2f} GiB within {budget}")
+    if choice.refused is not None:
+        text += (f"; the rest reshard after forward: keeping {choice.refused} too would need "
+                 f"{choice.refused_peak / 2**30:.2f} GiB")
+    return text
 
 
 def _warnings(result, cap, strategies, mesh, dev, budget, gpus_per_node: int) -> tuple[str, ...]:
@@ -424,7 +559,7 @@ def _warnings(result, cap, strategies, mesh, dev, budget, gpus_per_node: int) ->
     def full_recompute_peak():
         try:
             full = _memory_fields(cap, strategies, mesh, dev, vars(result), recompute="full", budget=budget,
-                                  zero=result.zero, offload=result.offload)
+                                  zero=result.zero, offload=result.offload, kept=result.keep_gathered)
         except PlanError:   # no repeated blocks to recompute
             return None
         return max(m.peak for m in full["memory"])
@@ -441,7 +576,7 @@ def _warnings(result, cap, strategies, mesh, dev, budget, gpus_per_node: int) ->
         local = size * result.microbatches
         pp = 2 * mesh.pp
         # a unit's bytes do not depend on pp (only the cut and the microbatches in flight do): price them once
-        time, static, act, boundary = unit_costs(cap, strategies, units, Mesh(mesh.dp, pp, mesh.tp), dev,
+        time, static, act, boundary = unit_costs(cap, strategies, units, dataclasses.replace(mesh, pp=pp), dev,
                                                  zero=result.zero, gpus_per_node=gpus_per_node,
                                                  working_copy=working_copy_ratio(cap),
                                                  regions=_regions_from_plan(cap, result))
@@ -477,36 +612,44 @@ def _regions_from_plan(cap, plan: Plan) -> list:
     return [[by_name[n] for n in region] for region in plan.recompute_regions]
 
 
+def _stage_nodes(cap, fields: dict) -> list[list]:
+    """The ops of each pipeline stage of ``fields`` (one list of every op without stages)."""
+    stages = fields.get("stages", ())
+    calls = [n for n in cap.gm.graph.nodes if n.op == "call_function"]
+    if not stages:
+        return [calls]
+    where = stage_of_nodes(cap, SimpleNamespace(stages=stages))
+    return [[n for n in calls if where.get(n.name, len(stages) - 1) == s] for s in range(len(stages))]
+
+
 def _memory_fields(cap, strategies, mesh, dev, fields: dict, *, recompute: str, budget, zero: int,
-                   regions=None, offload: str = "none") -> dict:
+                   regions=None, offload: str = "none", kept=()) -> dict:
     """The plan's recompute regions (chosen for ``recompute``, or as given) and memory per stage, for
     the stages, microbatches and schedule in ``fields``; with ``offload`` the optimizer's share on
-    the host."""
+    the host, with ``kept`` ZeRO-3's units kept gathered. recompute="auto" fits ``budget`` bytes
+    (the caller's memory budget, the device's memory by default)."""
 
     stage_nodes = inflight = None
     stages, microbatches = fields.get("stages", ()), fields["microbatches"]
     if stages:
-        where = stage_of_nodes(cap, SimpleNamespace(stages=stages))
-        stage_nodes = [[n for n in cap.gm.graph.nodes if n.op == "call_function" and where.get(n.name, len(stages) - 1) == s]
-                       for s in range(len(stages))]
+        stage_nodes = _stage_nodes(cap, fields)
         inflight = inflight_microbatches(mesh.pp, microbatches, fields["virtual_stages"], fields["schedule"])
     if regions is None and recompute == "auto":
-        if budget is None:
-            raise ValueError("recompute='auto' needs memory_budget= (e.g. '60GiB')")
         regions, _ = choose_recompute(cap, strategies, mesh, dev, zero=zero, budget=budget,
                                       microbatches=microbatches, stage_nodes=stage_nodes, inflight=inflight,
                                       offload=offload != "none")
     elif regions is None:
         regions = regions_for(cap, recompute)
     memory = memory_breakdown(cap, strategies, mesh, zero=zero, regions=regions, stage_nodes=stage_nodes,
-                              inflight=inflight, microbatches=microbatches, offload=offload != "none")
+                              inflight=inflight, microbatches=microbatches, offload=offload != "none", kept=kept)
     return dict(recompute=recompute, memory=memory, recompute_regions=tuple(tuple(n.name for n in r) for r in regions))
 
 
 def _stage_fields(cap, strategies, mesh, dev, *, schedule, virtual, microbatches: int, zero, gpus_per_node,
-                  memory_budget, stages, recompute: str, regions=None) -> dict:
+                  memory_budget, stages, recompute: str, regions=None, kept=()) -> dict:
     """The plan's pipeline stages, cut by the cost model (or as ``stages`` says), and the step's
-    compute and dp communication they give.
+    compute and dp communication they give (``kept``: ZeRO-3's units kept gathered, by name), with
+    its terms as ``step_terms``: the pipeline's makespan split (``pipeline_split``) and dp.
 
     The cut prices each unit's activations with ``regions`` recomputed (a given plan's) or those
     ``recompute`` names; under recompute="auto", with none when a cut fits so, else with every
@@ -516,36 +659,50 @@ def _stage_fields(cap, strategies, mesh, dev, *, schedule, virtual, microbatches
     working_copy = working_copy_ratio(cap)
 
     def cut_with(recomputed):
-        costs = unit_costs(cap, strategies, units, mesh, dev, zero=zero, gpus_per_node=gpus_per_node,
-                           working_copy=working_copy, regions=recomputed)
-        return costs, choose_cut(costs, units, mesh, schedule=schedule, microbatches=microbatches,
-                                 virtual=virtual, stages=stages,
-                                 memory_budget=memory_budget if memory_budget is not None else dev.memory_bytes)
+        *costs, tp = unit_costs(cap, strategies, units, mesh, dev, zero=zero, gpus_per_node=gpus_per_node,
+                                working_copy=working_copy, regions=recomputed, tp_seconds=True)
+        return (costs, tp), choose_cut(costs, units, mesh, schedule=schedule, microbatches=microbatches,
+                                       virtual=virtual, stages=stages,
+                                       memory_budget=memory_budget if memory_budget is not None else dev.memory_bytes)
 
     if regions is None and recompute == "auto":
         try:
-            costs, cut = cut_with(regions_for(cap, "none"))
+            (costs, tp), cut = cut_with(regions_for(cap, "none"))
         except PlanError:   # the stages= override itself is wrong: recompute does not mend it
             raise
         except ValueError:   # no cut fits without recompute
-            costs, cut = cut_with(regions_for(cap, "full"))
+            (costs, tp), cut = cut_with(regions_for(cap, "full"))
     else:
-        costs, cut = cut_with(regions if regions is not None else regions_for(cap, recompute))
+        (costs, tp), cut = cut_with(regions if regions is not None else regions_for(cap, recompute))
     stage_plans = tuple(StagePlan(s, s % mesh.pp, tuple(m for u in units[a:b] for m in u.modules),
                                   float(cut.stage_times[s]), float(cut.rank_memory[s % mesh.pp]))
                         for s, (a, b) in enumerate(cut.bounds))
     rank_params = rank_param_bytes(costs[1], cut.bounds, mesh, zero, working_copy)
-    return dict(stages=stage_plans, predicted_compute_s=float(cut.step_time),
-                predicted_comm_s=dp_sync_time(rank_params, mesh, dev, zero, gpus_per_node, microbatches=microbatches,
-                                              gathered=working_copy or 1.0,
-                                              units=_zero_units(costs[0], costs[1], cut.bounds, mesh, zero, working_copy)))
+    figures, names = _zero_units(costs[0], costs[1], cut.bounds, mesh, zero, working_copy, units)
+    dp = dp_sync_time(rank_params, mesh, dev, zero, gpus_per_node, microbatches=microbatches,
+                      gathered=working_copy or 1.0, units=figures, kept=_positions(names, kept))
+    # each stage's time is its units' (compute with their tp collectives) and its incoming activations' p2p
+    parts = []
+    for s, (a, b) in enumerate(cut.bounds):
+        tp_s, pp_s = float(tp[a:b].sum()), float(costs[3][a - 1]) if s else 0.0
+        parts.append(dict(compute=cut.stage_times[s] - tp_s - pp_s, tp=tp_s, pp=pp_s))
+    terms = pipeline_split(parts, mesh.pp, microbatches, virtual, float(cut.step_time))
+    return dict(stages=stage_plans, predicted_compute_s=float(cut.step_time), predicted_comm_s=dp,
+                step_terms=dict(terms, dp=dp), dp_units=(rank_params, figures, names))
 
 
-def _zero_units(time, static, bounds, mesh, zero: int, working_copy: float):
-    """ZeRO-2/3's per-unit (bytes, seconds) of the busiest pipeline rank, for ``dp_sync_time``; None otherwise."""
+def _zero_units(time, static, bounds, mesh, zero: int, working_copy: float, units=()):
+    """ZeRO-2/3's per-unit (bytes, seconds) of the busiest pipeline rank, for ``dp_sync_time``, and
+    the names of those of ``units`` (the layer units); (None, ()) without ZeRO-2/3."""
     if zero < 2 or mesh.dp == 1:
-        return None
-    return rank_unit_figures(time, static, bounds, mesh, state_bytes_per_param_byte(mesh, zero, working_copy))
+        return None, ()
+    figures = rank_unit_figures(time, static, bounds, mesh, state_bytes_per_param_byte(mesh, zero, working_copy))
+    return figures, tuple(units[k].name for k in rank_units(static, bounds, mesh)) if units else ()
+
+
+def _positions(names, kept) -> set[int]:
+    """The positions in ``names`` (units priced in order) of the units named in ``kept``."""
+    return {i for i, name in enumerate(names) if name in kept}
 
 
 def rebuild(model, plan: Plan, example_inputs, *, sequence_parallel="auto") -> tuple[Captured, dict]:

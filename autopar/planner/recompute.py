@@ -35,15 +35,17 @@ def regions_for(cap, mode: str) -> list[list]:
 
 
 def memory_breakdown(cap, strategies, mesh, *, zero: int, regions, stage_nodes=None, inflight=None,
-                     microbatches: int = 1, offload: bool = False):
-    """MemoryPlan per stage (one stage when pp = 1); with ``offload`` the optimizer's state on the host."""
+                     microbatches: int = 1, offload: bool = False, kept=()):
+    """MemoryPlan per stage (one stage when pp = 1); with ``offload`` the optimizer's state on the host,
+    with ``kept`` ZeRO-3's units kept gathered (``cost_model.memory.param_state``)."""
     stage_nodes = stage_nodes or [[n for n in cap.gm.graph.nodes if n.op == "call_function"]]
     inflight = inflight or [1] * len(stage_nodes)
     out = []
     for s, nodes in enumerate(stage_nodes):
         params, grads, opt, act, excess = stage_terms(cap, strategies, mesh, nodes, regions, zero=zero,
                                                       microbatches=microbatches,
-                                                      working_copy=working_copy_ratio(cap), offload=offload)
+                                                      working_copy=working_copy_ratio(cap), offload=offload,
+                                                      kept=kept)
         transient = max([0.0] + [b for _, b in excess])
         act *= inflight[s]
         host = host_state(cap, strategies, mesh, nodes, zero) if offload else 0.0
@@ -56,7 +58,10 @@ def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, mi
     """Per block the cheapest recompute mode (by recomputed forward time) fitting ``budget`` bytes
     on every stage's rank (``stage_nodes`` and ``inflight`` as for ``memory_breakdown``; one
     stage by default). A block's choice moves only its own stage's memory, so each stage is its
-    own ILP, with its activations kept for the microbatches it holds in flight."""
+    own ILP, with its activations kept for the microbatches it holds in flight. A stage that no
+    choice fits gets its blocks fully recomputed, the least memory any choice reaches: its peak
+    stays above ``budget``, for the caller to report with the other choices it searched
+    (``autopar.planner.decide.no_fit_error``)."""
     blocks = find_blocks(cap) or []
     if not blocks:
         raise PlanError("recompute='auto' works per repeated block, and this model has none")
@@ -90,19 +95,13 @@ def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, mi
             costs.append([sum(strategy_time(n, strategies[n], mesh.tp, dev, False) for r in options[m] for n in r) / 3
                           for m in MODES])
 
-        def no_fit():
-            where = f" on pipeline stage {s}" if len(stage_nodes) > 1 else ""
-            return PlanError(f"no recompute choice fits {budget / 2**30:.2f} GiB{where}: the smallest peak, with "
-                             f"every block fully recomputed, is {base.peak / 2**30:.2f} GiB")
-
         if not mine:   # no block to recompute here: the stage fits as it is or not at all
-            if base.peak > budget:
-                raise no_fit()
             continue
         try:
             sol = solve_strategies(costs, [], node_memory=mems, memory_budget=budget - fixed)
-        except InfeasibleError:
-            raise no_fit() from None
+        except InfeasibleError:   # nothing fits this stage: its least memory
+            chosen.update({k: "full" for k in mine})
+            continue
         chosen.update({k: MODES[i] for k, i in zip(mine, sol.choice)})
     modes = [chosen[k] for k in range(len(blocks))]
     regions = []

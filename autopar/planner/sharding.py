@@ -27,7 +27,7 @@ import torch
 from torch.fx import Node
 
 from autopar.cost_model import axis_is_inter_node, node_flops
-from autopar.cost_model.step import (dp_sync_bytes, dp_sync_kinds, dp_sync_time, flat_compute_time, tp_comm_time,
+from autopar.cost_model.step import (dp_sync_bytes, dp_sync_collectives, dp_sync_time, flat_compute_time, tp_comm_time,
                                      zero_unit_figures)
 from autopar.cost_model.strategy import OP_OVERHEAD, move_time, param_memory, strategy_time, tp_collectives
 from autopar.errors import PlanError
@@ -215,10 +215,14 @@ def _op_name(node: Node) -> str:
 
 
 def sharding_fields(cap: Captured, assignment: Assignment, mesh, dev, *, sequence_parallel: bool,
-               zero: int, microbatches: int, source: str, gpus_per_node: int = 8):
+               zero: int, microbatches: int, source: str, gpus_per_node: int = 8, kept=()):
     """The Plan's fields that the chosen strategies decide: placements, collectives, the step's
-    compute and communication without pipeline stages, model FLOPs."""
-    from autopar.plans import CollectivePlan, NodePlan, ParamPlan
+    compute and communication without pipeline stages, model FLOPs; and, as ``step_terms``, that
+    step's terms (compute, tp, dp: what ``predicted_compute_s`` and ``predicted_comm_s`` add up)
+    and, as ``dp_units``, what its dp sync was priced from (parameter bytes, ZeRO-2/3's per-unit
+    figures and the units' names). ``kept``: ZeRO-3's units kept gathered (names), whose backward
+    re-gather is not issued."""
+    from autopar.plans import CollectivePlan, NodePlan, ParamPlan, dp_placements
 
     strategies = assignment.strategies
     tp, dp = mesh.tp, mesh.dp
@@ -229,7 +233,7 @@ def sharding_fields(cap: Captured, assignment: Assignment, mesh, dev, *, sequenc
         full = shape(node)
         loc = local_shape(full, pl, tp)
         local_bytes += float(np.prod(loc)) * node.meta["val"].element_size()
-        params.append(ParamPlan(fqn, full, {"dp": "S(0)" if zero and dp > 1 else "R", "tp": str(pl)},
+        params.append(ParamPlan(fqn, full, {**dp_placements(mesh, zero), "tp": str(pl)},
                                 loc, tuple(cap.aliases.get(fqn, ()))))
     nodes = tuple(NodePlan(n.name, _op_name(n), n.meta.get("module_path", ""),
                            tuple(map(str, strategies[n].inputs)), str(strategies[n].output),
@@ -241,21 +245,30 @@ def sharding_fields(cap: Captured, assignment: Assignment, mesh, dev, *, sequenc
         a = agg.setdefault((kind, "tp", phase, where), [0, 0.0])
         a[0] += m
         a[1] += nbytes * m
-    comm = tp_comm_time([(k, n, b) for (k, _, _, _), (n, b) in agg.items()], tp, dev, tp_inter)
+    tp_comm = tp_comm_time([(k, n, b) for (k, _, _, _), (n, b) in agg.items()], tp, dev, tp_inter)
     gathered = working_copy_ratio(cap) or 1.0   # ZeRO-2/3 gather the weights at the compute dtype
     times = m if zero >= 2 else 1
-    for phase, kind in dp_sync_kinds(zero) if dp > 1 else []:
-        agg[(kind, "dp", phase, "(all parameters)")] = [times, times * dp_sync_bytes(kind, local_bytes, zero, gathered)]
     units = zero_unit_figures(strategies, zero_units(cap), tp, dev, tp_inter) if zero >= 2 and dp > 1 else None
-    comm += dp_sync_time(local_bytes, mesh, dev, zero, gpus_per_node, microbatches=m, gathered=gathered, units=units)
+    names = tuple(u.name for u in zero_units(cap)) if units else ()
+    positions = {k for k, name in enumerate(names) if name in kept}
+    for phase, kind, axis, share in dp_sync_collectives(mesh, zero):   # a split dp's on dp_shard and dp_replicate
+        nbytes = local_bytes
+        if (phase, kind) == ("bwd", "all_gather"):   # the kept units are not gathered again
+            nbytes -= sum(units[k][0] for k in positions)
+            if nbytes <= 0:
+                continue
+        agg[(kind, axis, phase, "(all parameters)")] = [times, times * share * dp_sync_bytes(kind, nbytes, zero, gathered)]
+    dp_comm = dp_sync_time(local_bytes, mesh, dev, zero, gpus_per_node, microbatches=m, gathered=gathered,
+                           units=units, kept=positions)
     compute = flat_compute_time(strategies, tp, dev, tp_inter, m)
     colls = tuple(CollectivePlan(k, axis, ph, w, n, int(b)) for (k, axis, ph, w), (n, b) in agg.items())
     input_shapes = tuple(shape(i) for i in cap.inputs)
     model_flops = m * mesh.dp * sum(sum(node_flops(n)) for n in cap.gm.graph.nodes if n.op == "call_function")
-    return dict(mesh=(mesh.dp, mesh.pp, mesh.tp), input_shapes=input_shapes, sequence_parallel=bool(sequence_parallel),
+    return dict(mesh=(mesh.dp, mesh.pp, mesh.tp), dp_replicate=mesh.dp_replicate, input_shapes=input_shapes, sequence_parallel=bool(sequence_parallel),
                 zero=zero, microbatches=m, device=dev.name, parameters=tuple(params), nodes=nodes, collectives=colls,
-                predicted_compute_s=compute, predicted_comm_s=comm, solve_seconds=assignment.solve_seconds,
-                source=source, model_flops=model_flops)
+                predicted_compute_s=compute, predicted_comm_s=tp_comm + dp_comm, solve_seconds=assignment.solve_seconds,
+                source=source, model_flops=model_flops, step_terms=dict(compute=compute, tp=tp_comm, dp=dp_comm),
+                dp_units=(local_bytes, units, names))
 
 
 def strategies_from_plan(cap: Captured, options: dict[Node, list[Strategy]], plan) -> dict[Node, Strategy]:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar import collectives as C
-from autopar.mesh import default_device_type, group_name
+from autopar.mesh import default_device_type, group_name, split_dp_groups
 from autopar.overlap import RegatherInBackward
 from autopar.passes.driver import rank_prefix, run_passes
 from autopar.passes.precision import precision_pass
@@ -74,6 +74,12 @@ class ParallelModel:
         self.coords = mesh.coords(dist.get_rank())
         self._tp_group = group_name(dmesh, "tp")
         self._dp_group = group_name(dmesh, "dp")
+        # ZeRO splits its state over dp_shard: all of dp, unless dp is split (HSDP), where each
+        # replica holds the same shards and the sharded gradients are all-reduced across dp_replicate
+        self._shard_group, self._replicate_group = self._dp_group, None
+        if plan.zero and mesh.split:
+            self._shard_group, self._replicate_group = split_dp_groups(mesh, default_device_type())
+        across = dict(replicate=self._replicate_group, replicas=mesh.dp_replicate if self._replicate_group else 1)
         # this rank's program: the passes carrying the plan out, run by the pass driver on the
         # capture (which they leave as it is: the planner's graph); with pp > 1 the pipeline then
         # splits the result into its stages (pipeline_split_pass, the one step that makes several graphs)
@@ -88,7 +94,7 @@ class ParallelModel:
         if loss_kernel is True or (loss_kernel == "auto" and _inductor_on_cuda(compile)):
             steps.append((cross_entropy_kernel_pass, {}))
         # ZeRO-2/3: every parameter enters as its dp shard and is gathered per unit inside the graph
-        self._fsdp = plan.zero >= 2 and mesh.dp > 1
+        self._fsdp = plan.zero >= 2 and mesh.dp_shard > 1
         units = gathers = None
         if self._fsdp:
             labels, units = zip(*((u.name, [n.name for n in u.nodes]) for u in zero_units(cap)))
@@ -97,11 +103,12 @@ class ParallelModel:
             # a weight several units of one stage use (a tied embedding) is gathered once for all of them
             shared = Counter(f for fqns in gathers.values() for f in fqns)
             steps.append((zero_pass, dict(units=units, rows={p.fqn: p.local_shape[0] for p in plan.parameters},
-                                          group=self._dp_group, size=mesh.dp,
+                                          group=self._shard_group, size=mesh.dp_shard, **across,
                                           dtype=compute_dtype(plan.precision) if plan.precision != "fp32" else None,
                                           reshard=resharded,
                                           recomputed={n for r in plan.recompute_regions for n in r},
-                                          once={f for f, n in shared.items() if n > 1} if mesh.pp == 1 else set())))
+                                          once={f for f, n in shared.items() if n > 1} if mesh.pp == 1 else set(),
+                                          prefetch=_prefetches(compile))))
         # One microbatch on one stage: the 16-bit weight copies are cast inside the compiled graph,
         # where Inductor fuses them into its own kernels, instead of ~2 eager kernels per weight per
         # step. With several microbatches the copies are made once per step and shared (``WorkingCopies``).
@@ -126,7 +133,7 @@ class ParallelModel:
             local = _materialize(model, cap, self._placement, mesh.tp, self.coords["tp"], fqns)
             if not self._fsdp:
                 return local
-            return {f: _dp_shard(q, mesh.dp, self.coords["dp"]) for f, q in local.items()}
+            return {f: _dp_shard(q, mesh.dp_shard, self.coords["dp_shard"]) for f, q in local.items()}
 
         self._buffers = {fqn: b for fqn, b in model.named_buffers() if fqn in cap.buffers}
         unknown = [fqn for fqn, b in self._buffers.items() if b.is_meta]
@@ -151,8 +158,9 @@ class ParallelModel:
         else:
             self._params = materialize(set(cap.params))
             self._fn = lower(gm, compile, regather=plan.zero == 3)
-        self._zero = (Zero1(self._params, {f for f in self._params if self._sharded(f)}, group=self._dp_group,
-                            size=mesh.dp, rank=self.coords["dp"], norm=self._norm) if plan.zero == 1 else None)
+        self._zero = (Zero1(self._params, {f for f in self._params if self._sharded(f)}, group=self._shard_group,
+                            size=mesh.dp_shard, rank=self.coords["dp_shard"], norm=self._norm, **across)
+                      if plan.zero == 1 else None)
         self._offload = None   # HostMasters with plan.offload: what pm.optimizer's optimizers step on the host
         if plan.offload != "none":
             if self._zero is not None:
@@ -372,8 +380,8 @@ class ParallelModel:
             grad = self._grad(p)
             if grad is not None and self.owns(fqn):
                 sq[0 if self._sharded(fqn) else 1] += grad.detach().float().pow(2).sum().cpu()
-        if self._fsdp:   # each dp rank holds its own rows (zero padding past the end)
-            sq = C.all_reduce(sq.to(self._device), self._dp_group).cpu()
+        if self._fsdp:   # each dp_shard rank holds its own rows (zero padding past the end); replicas the same
+            sq = C.all_reduce(sq.to(self._device), self._shard_group).cpu()
         norm = self._norm(sq)
         if self._master is not None:   # the update multiplies the gradients: no pass that rewrites them
             self._master.grad_scale *= min(1.0, clip_coefficient(max_norm, norm))
@@ -407,9 +415,19 @@ class ParallelModel:
         if not self._fsdp:
             return None
         rows = self.plan.param(fqn).local_shape[0]
-        c = shard_rows(rows, self.mesh.dp)
-        start = min(rows, self.coords["dp"] * c)
+        c = shard_rows(rows, self.mesh.dp_shard)
+        start = min(rows, self.coords["dp_shard"] * c)
         return start, min(rows, start + c)
+
+    def group(self, axis: str) -> str | None:
+        """The process group name this rank's collectives use on mesh axis ``axis``: "dp", "tp", and
+        ZeRO's "dp_shard" (the ranks its state is split over: all of dp unless dp is split) and
+        "dp_replicate" (a split dp's replicas, None otherwise)."""
+        groups = {"dp": self._dp_group, "tp": self._tp_group, "dp_shard": self._shard_group,
+                  "dp_replicate": self._replicate_group}
+        if axis not in groups:
+            raise ValueError(f"no process group for axis {axis!r}; the axes are {', '.join(groups)}")
+        return groups[axis]
 
     @property
     def zero(self) -> Zero1 | None:
@@ -468,8 +486,8 @@ class ParallelModel:
                 fqn, full, pl = q.fqn, q.shape, self._placement[q.fqn]
                 x = tensor_of(fqn) if fqn in self._params else None
                 if self._fsdp and x is not None:   # the dp shards, whole again
-                    x = C.all_gather(x.to(self._device), 0, self._dp_group, self.mesh.dp, self.coords["dp"],
-                                     q.local_shape[0], False)
+                    x = C.all_gather(x.to(self._device), 0, self._shard_group, self.mesh.dp_shard,
+                                     self.coords["dp_shard"], q.local_shape[0], False)
                 if self._pipeline is not None:   # the owning stage's copy, sent to every pp rank
                     mine = x if x is not None and self.owns(fqn) else torch.zeros(self.plan.param(fqn).local_shape)
                     x = C.all_reduce(mine.to(self._device), self._pipeline.pp_group)
@@ -499,6 +517,20 @@ def lower(gm: torch.fx.GraphModule, compile, *, regather: bool = False):
     if compile is True or compile in MODES:
         return torch.compile(gm, mode=None if compile is True else compile)
     return torch.compile(gm, backend=compile)
+
+
+def _prefetches(compile) -> bool:
+    """Whether ZeRO-2/3's gathers are launched a unit ahead (``zero_pass(prefetch=)``): always on NCCL;
+    on gloo only in Inductor's code (``compile=True``, a mode, or a backend function such as
+    ``autopar.overlap.overlap_backend``'s). A gather left in flight on gloo while the graph ran on
+    eagerly (no compile, or the "aot_eager" backend) corrupted the heap there: tests/test_zero.py
+    crashed in 3 runs of 3 with "malloc(): unaligned tcache chunk detected" (torch 2.13, CPU), and
+    passed in 2 of 2 with every gather waited at its launch. Inductor's code, whose buffers and waits
+    it places itself, ran its prefetched gathers on gloo in tests/test_zero_overlap.py and
+    test_zero_memory.py without fault."""
+    if "gloo" not in str(dist.get_backend()):
+        return True
+    return compile is True or compile in MODES or callable(compile)
 
 
 def _inductor_on_cuda(compile) -> bool:

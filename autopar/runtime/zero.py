@@ -2,7 +2,9 @@
 
 Stage 1 keeps a flat copy of this rank's parameter shards, split evenly over dp: after backward
 the gradients are reduce-scattered (averaged) into this rank's slice, the optimizer updates the
-slice, and an all-gather rebuilds every local parameter.
+slice, and an all-gather rebuilds every local parameter. With a split dp (HSDP) the slices are
+dp_shard's: each reduce-scattered slice is all-reduced across the dp_replicate ranks that step the
+same slice before the mean over all of dp.
 """
 from __future__ import annotations
 
@@ -18,12 +20,15 @@ class Zero1:
     the optimizer updates that slice; an all-gather rebuilds every local parameter.
     ``params``: this rank's shards by FQN; ``sharded``: the FQNs split over tp (their squares
     are summed over tp in the norm); ``norm(sq)``: the global norm from [sharded, replicated]
-    sums of squares over this dp rank's slice, reduced over tp and pp."""
+    sums of squares over this dp rank's slice, reduced over tp and pp. ``group``, ``size``, ``rank``:
+    the ranks the state is split over (dp, or dp_shard with a split dp); ``replicate``: with a split
+    dp, the group of the ``replicas`` that hold the same slice."""
 
     def __init__(self, params: dict[str, torch.nn.Parameter], sharded: set[str], *, group: str, size: int,
-                 rank: int, norm):
+                 rank: int, norm, replicate: str | None = None, replicas: int = 1):
         self.params = list(params.values())
         self.group, self.size, self.rank, self.norm = group, size, rank, norm
+        self.replicate, self.replicas = replicate, replicas
         self.sizes = [p.numel() for p in self.params]
         n, dp = sum(self.sizes), size
         self.chunk = -(-n // dp)
@@ -45,7 +50,10 @@ class Zero1:
     def reduce_scatter_grads(self):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = self._flat(grads)
-        self.shard.grad = C.reduce_scatter(flat, 0, self.group, self.size) / self.size
+        grad = C.reduce_scatter(flat, 0, self.group, self.size)
+        if self.replicate is not None:   # the replicas' sum of the same slice
+            grad = C.all_reduce(grad, self.replicate)
+        self.shard.grad = grad / (self.size * self.replicas)
         for p in self.params:
             p.grad = None   # the full gradients are not kept: that is ZeRO's saving
 
