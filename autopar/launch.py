@@ -176,10 +176,11 @@ def spawn(fn, world_size, *args, backend="gloo", timeout=300.0, env=None) -> lis
                 args=(child_conn, fn, rank, world_size, args, backend, collective_timeout, rank_env),
                 name=f"autopar-rank{rank}",
             )
-            # A spawned child copies the parent's environment when it starts, before it imports torch;
-            # the rank sets its own again first thing, in case another thread of this process changed
-            # the environment in the meantime (one that is not spawning: a test's monkeypatch)
-            with _environ(rank_env):
+            # A spawned child copies the parent's environment when it starts, before it imports torch:
+            # what must be there before the import (OMP_NUM_THREADS, the caller's env) is set for the
+            # start. RANK, WORLD_SIZE and MASTER_* are not: another thread of this process reading
+            # them meanwhile would take this process for a rank; the rank sets them itself first thing.
+            with _environ({k: v for k, v in rank_env.items() if k not in _RANK_KEYS}):
                 proc.start()
             child_conn.close()
             procs.append(proc)
@@ -287,15 +288,17 @@ def _stop(procs):
 
 
 _ENVIRON_LOCK = threading.Lock()
+# what each rank sets in its own environment before init_process_group, never in the parent's
+_RANK_KEYS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 
 
 def environment() -> dict[str, str]:
     """A copy of this process's environment, as it is outside the moments `spawn` starts a rank.
 
-    `spawn` sets a rank's RANK, WORLD_SIZE and MASTER_* in this process's environment while that
-    rank's process starts (a spawned child copies its parent's environment). A subprocess another
-    thread starts meanwhile would inherit them and take itself for a rank; start it with
-    ``env=autopar.launch.environment()`` instead of the inherited environment.
+    `spawn` sets the variables a rank needs before it imports torch (OMP_NUM_THREADS, its ``env``) in
+    this process's environment while that rank's process starts (a spawned child copies its
+    parent's environment). A subprocess another thread starts meanwhile would inherit them; start
+    it with ``env=autopar.launch.environment()`` instead of the inherited environment.
     """
     with _ENVIRON_LOCK:
         return dict(os.environ)
