@@ -272,14 +272,9 @@ def run_contender(rank, world, name, mesh, steps, cfg, batch, seq, sequence_para
                 peak=memory.peak, rss=rss, step=statistics.median(times[1:-1] or times[:-1] or times), setup=setup)
 
 
-def reference_curve(cfg, batch: int, seq: int, steps: int) -> list[float]:
-    """The losses of the same ``steps`` AdamW steps on the unsharded model, in this process."""
-    from autopar.examples.gpt import GPT, example_inputs
-
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    idx, tgt = example_inputs(cfg, batch, seq)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def train_curve(model, idx, tgt, steps: int, lr: float, optimizer=torch.optim.AdamW) -> list[float]:
+    """The losses of ``steps`` steps of ``optimizer`` (AdamW) on the unsharded ``model``, one batch."""
+    opt = optimizer(model.parameters(), lr=lr)
     curve = []
     for _ in range(steps):
         opt.zero_grad()
@@ -288,6 +283,14 @@ def reference_curve(cfg, batch: int, seq: int, steps: int) -> list[float]:
         opt.step()
         curve.append(loss.item())
     return curve
+
+
+def reference_curve(cfg, batch: int, seq: int, steps: int) -> list[float]:
+    """The losses of the same ``steps`` AdamW steps on the unsharded model, in this process."""
+    from autopar.examples.gpt import GPT, example_inputs
+
+    torch.manual_seed(0)
+    return train_curve(GPT(cfg), *example_inputs(cfg, batch, seq), steps, 1e-3)
 
 
 def row(name: str, per_rank: list[dict], reference: list[float]) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 import autopar
+from autopar.compare import train_curve
 from autopar.examples.gpt import GPTConfig, GPT, example_inputs
 
 TINY = GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_embd=32)
@@ -29,19 +30,6 @@ def reference(cfg: GPTConfig = TINY, steps: int = 0, lr: float = 1e-3, batch: in
     grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
     curve = train_curve(make_model(cfg), idx, tgt, steps, lr) if steps else []
     return loss.item(), grads, curve
-
-
-def train_curve(model, idx, tgt, steps: int, lr: float, optimizer=torch.optim.AdamW) -> list[float]:
-    """The losses of ``steps`` steps of ``optimizer`` (AdamW) on the unsharded ``model``, one batch."""
-    opt = optimizer(model.parameters(), lr=lr)
-    curve = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = model(idx, tgt)
-        loss.backward()
-        opt.step()
-        curve.append(loss.item())
-    return curve
 
 
 def parallel_run(rank, world, mesh, knobs, cfg=TINY, steps=0, lr=1e-3, batch=BATCH):

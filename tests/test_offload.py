@@ -16,7 +16,7 @@ from autopar.checkpoint import load_checkpoint, save_checkpoint
 from autopar.cost_model import get_device
 from autopar.examples.gpt import build, example_inputs
 from autopar.plans import Plan, PlanFormatError
-from parity import SEQ, TINY, make_model, reference
+from parity import SEQ, TINY, make_model, pm_curve, reference
 
 STEPS, LR, BATCH = 10, 1e-3, 8
 # (mesh, zero, precision)
@@ -36,11 +36,7 @@ def _one(rank, world, mesh, zero, precision):
     except RuntimeError as e:
         refused = str(e)
     opt = pm.optimizer(torch.optim.AdamW, lr=LR)
-    curve = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        curve.append(pm.train_step(idx, tgt).item())
-        opt.step()
+    curve = pm_curve(pm, opt, (idx, tgt), STEPS)
     state = [t for s in opt.state_dict()["state"].values() for t in s.values() if t.dim()]
     held = dict(device={str(p.dtype) for p in pm.parameters()},
                 host={(str(t.device), str(t.dtype)) for t in [*opt.param_groups[0]["params"], *state]})

@@ -345,17 +345,10 @@ def _decide_offload(model, mesh, example_inputs, *, offload, memory_budget, devi
     if offload != "auto" or isinstance(knobs["plan"], Plan):
         return _decide_zero(model, mesh, example_inputs, offload="none" if offload == "auto" else offload,
                             memory_budget=memory_budget, device=device, **knobs)
-    budget = parse_bytes(memory_budget)
-    limit = get_device(device).memory_bytes if budget is None else budget
-    tried, failed = {}, {}
-    for where in OFFLOADS:
-        try:
-            tried[where] = _decide_zero(model, mesh, example_inputs, offload=where, memory_budget=memory_budget,
-                                        device=device, **knobs)
-        except ValueError as e:   # no plan within the budget, offload not possible here or not priced on this device
-            failed[where] = e
-    if not tried:
-        raise failed["none"]
+    limit = _limit(memory_budget, device)
+    # a choice fails with no plan within the budget, offload not possible here or not priced on this device
+    tried, failed = _each_choice(OFFLOADS, lambda where: _decide_zero(
+        model, mesh, example_inputs, offload=where, memory_budget=memory_budget, device=device, **knobs), blame="none")
     fits = {where: d.peak_memory <= limit for where, d in tried.items()}
     chosen = "optimizer" if not fits.get("none") and fits.get("optimizer") else "none"
     if not any(fits.values()):   # the least memory, for the error that names it (``no_fit_error``)
@@ -371,6 +364,26 @@ def _decide_offload(model, mesh, example_inputs, *, offload, memory_budget, devi
     return best
 
 
+def _limit(memory_budget, device) -> float:
+    """The bytes a plan must fit: ``memory_budget``, else the device's memory."""
+    budget = parse_bytes(memory_budget)
+    return get_device(device).memory_bytes if budget is None else budget
+
+
+def _each_choice(choices, decide_at, *, blame=None) -> tuple[dict, dict]:
+    """({choice: Decision}, {choice: ValueError}) of ``decide_at(choice)`` for each choice, in order;
+    when none gives a plan, raises the error of ``blame`` (default: the last choice)."""
+    tried, failed = {}, {}
+    for c in choices:
+        try:
+            tried[c] = decide_at(c)
+        except ValueError as e:
+            failed[c] = e
+    if not tried:
+        raise failed[choices[-1] if blame is None else blame]
+    return tried, failed
+
+
 def _decide_zero(model, mesh, example_inputs, *, zero, memory_budget, device, **knobs) -> Decision:
     """``_decide`` at ``zero``; for zero="auto", at every ZeRO stage dp can shard, keeping the fastest
     that fits the memory budget (the device's memory by default), else the one with the least peak.
@@ -378,17 +391,11 @@ def _decide_zero(model, mesh, example_inputs, *, zero, memory_budget, device, **
     if zero != "auto" or isinstance(knobs["plan"], Plan):
         return _decide(model, mesh, example_inputs, zero=0 if zero == "auto" else zero,
                        memory_budget=memory_budget, device=device, **knobs)
-    budget = parse_bytes(memory_budget)
-    limit = get_device(device).memory_bytes if budget is None else budget
-    tried, failed = [], []
-    for z in (0, 1, 2, 3) if mesh.dp_shard > 1 else (0,):
-        try:
-            tried.append(_decide(model, mesh, example_inputs, zero=z, memory_budget=memory_budget, device=device,
-                                 **knobs))
-        except ValueError as e:   # no plan at this stage within the budget (the ILP's, the stage DP's)
-            failed.append(e)
-    if not tried:
-        raise failed[-1]
+    limit = _limit(memory_budget, device)
+    # a stage fails with no plan within the budget (the ILP's, the stage DP's)
+    tried, _ = _each_choice((0, 1, 2, 3) if mesh.dp_shard > 1 else (0,), lambda z: _decide(
+        model, mesh, example_inputs, zero=z, memory_budget=memory_budget, device=device, **knobs))
+    tried = list(tried.values())
     fits = [d for d in tried if d.peak_memory <= limit]
     best = min(fits, key=lambda d: d.step_time) if fits else min(tried, key=lambda d: d.peak_memory)
     if len(tried) > 1:
