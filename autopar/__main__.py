@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"a model config ({', '.join(CONFIGS)}) or path/to/file.py:factory, a function "
                         "returning a GPT-style module whose forward(idx, targets) returns the loss "
                         "(built on the meta device)")
-    p.add_argument("--mesh", required=True, help="dp,pp,tp, e.g. 1,1,8, or auto (with --gpus)")
+    p.add_argument("--mesh", required=True, help="dp,pp,tp, e.g. 1,1,8; axis=size pairs, e.g. "
+                                                 "dp_replicate=2,dp_shard=4,tp=1 (HSDP); or auto (with --gpus)")
     p.add_argument("--gpus", type=int, help="number of devices, for --mesh auto")
     p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (default 8)")
     p.add_argument("--schedule", default="1F1B", help="pipeline schedule: GPipe, 1F1B, Interleaved1F1B, "
@@ -223,7 +224,7 @@ def _plan(args) -> int:
 
         model = _model(args.config)
         inputs, seq = _inputs(args, model)
-        plan = autopar.plan(model, args.mesh, inputs, device=args.device, plan=args.plan,
+        plan = autopar.plan(model, _mesh(args.mesh), inputs, device=args.device, plan=args.plan,
                             sequence_parallel=_SP[args.sequence_parallel], zero=args.zero,
                             world_size=args.gpus, gpus_per_node=args.gpus_per_node, schedule=args.schedule,
                             microbatches=args.microbatches, precision=args.precision, recompute=args.recompute,
@@ -241,6 +242,26 @@ def _plan(args) -> int:
         print(f"plan view written to {args.html}")
     print(f"planned {args.config} (batch {args.batch}, seq {seq}) in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _mesh(text: str):
+    """--mesh as ``autopar.plan`` takes it: "auto"; axis=size pairs ("dp_replicate=2,dp_shard=4,tp=1",
+    missing axes 1, ``Mesh.from_sizes``) as a dict; or "dp,pp,tp" as it is."""
+    if "=" not in text:
+        return text.strip()
+    sizes = {}
+    for item in (i.strip() for i in text.split(",") if i.strip()):
+        axis, _, size = item.partition("=")
+        axis = axis.strip()
+        if not axis or not size.strip().isdigit():
+            raise ValueError(f"--mesh {text!r}: {item!r} is not axis=size; write e.g. dp_replicate=2,dp_shard=4,tp=1 "
+                             "(or dp,pp,tp such as 8,1,1, or auto)")
+        if axis in sizes:
+            raise ValueError(f"--mesh {text!r}: axis {axis} is given twice")
+        sizes[axis] = int(size)
+    from autopar.mesh import Mesh
+    Mesh.from_sizes(sizes)   # an unknown axis or a dp given whole and split fails here, naming the axes
+    return sizes
 
 
 def _keep_gathered(text: str):

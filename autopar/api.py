@@ -17,7 +17,8 @@ from autopar.plans import Plan
 def plan(model, mesh, example_inputs, *, device="h100", gpus_per_node=8, world_size=None, **knobs) -> Plan:
     """Plan offline: no process group, no GPU; ``model`` may live on the meta device.
 
-    ``mesh`` is (dp, pp, tp), a dict of axis sizes ({"dp", "pp", "tp"}, or dp split as
+    ``mesh`` is (dp, pp, tp), a dict of axis sizes ({"dp", "pp", "tp"}, "cp" to split every
+    sequence over cp ranks (``autopar.passes.context_parallel``), or dp split as
     {"dp_replicate", "dp_shard"} for HSDP: ZeRO shards over dp_shard and all-reduces across the
     replicas; ``autopar.Mesh.parse``) or "auto" (then ``world_size`` devices are ranked; the ranking
     is in the plan's notes). ``knobs`` are parallelize's: plan, sequence_parallel, recompute,

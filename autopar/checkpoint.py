@@ -21,7 +21,8 @@ all its shards; the part of that slice inside one parameter is a range of its ro
 written as at most 2*ndim - 1 boxes (a partial first row, whole rows, a partial last row), so the
 state lands in its parameter's global layout and loads into any dp, with or without ZeRO. Padding
 of unevenly sharded dims is never written. dp replicas (and HSDP's replicas of one dp_shard, whose
-ZeRO shards and slices are cut over dp_shard only) describe identical boxes and DCP keeps one
+ZeRO shards and slices are cut over dp_shard only; and the cp ranks, which hold the same weights
+and ZeRO shards as their dp rank) describe identical boxes and DCP keeps one
 writer per box; a weight held by several pipeline stages (GPT's tied embedding) is written only
 from its owning stage, since each stage's ZeRO slices cut it differently. On load each rank asks
 for its own boxes and DCP reads the overlapping parts of the saved ones: that is the resharding.

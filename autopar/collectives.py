@@ -303,3 +303,77 @@ def gathered_linear(x: torch.Tensor, w: torch.Tensor, dim: int, group: str, size
                     full: int) -> torch.Tensor:
     """Linear of the all-gathered ``x`` that keeps only the shard for backward (re-gathered there)."""
     return _GatheredLinear.apply(x, w, dim, group, size, rank, full)
+
+
+# ---- context parallelism (cp): each rank holds chunks r and 2c-1-r of every sequence -----------
+
+def rank_chunks(x: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
+    """This cp rank's share of a whole sequence dim ``dim``: of its ``2 * size`` equal chunks, chunk
+    ``rank`` followed by chunk ``2 * size - 1 - rank`` (a head and a tail chunk, so every rank has the
+    same causal work: Megatron's and torchtitan's load balance). Slicing only: the gradient of the
+    rank's positions flows back to them and the rest get zeros."""
+    c = x.shape[dim] // (2 * size)
+    return torch.cat([x.narrow(dim, rank * c, c), x.narrow(dim, (2 * size - 1 - rank) * c, c)], dim)
+
+
+def _natural_order(size: int, device) -> torch.Tensor:
+    """Where each sequence chunk, in order 0 .. 2·size-1, lies in a cp all-gather's result (rank r
+    contributes blocks 2r and 2r+1: its chunks r and 2·size-1-r)."""
+    order = [2 * j if j < size else 2 * (2 * size - 1 - j) + 1 for j in range(2 * size)]
+    return torch.tensor(order, device=device)
+
+
+def _gather_sequence(x: torch.Tensor, dim: int, group: str, size: int) -> torch.Tensor:
+    g = _ag(x, dim, group, size, size * x.shape[dim])
+    blocks = g.unflatten(dim, (2 * size, x.shape[dim] // 2))
+    return blocks.index_select(dim, _natural_order(size, x.device)).flatten(dim, dim + 1)
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, size):
+        ctx.args = (dim, group, size)
+        return _gather_sequence(x, dim, group, size)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, group, size = ctx.args
+        blocks = g.unflatten(dim, (2 * size, g.shape[dim] // (2 * size)))
+        # back to the gather's order (its inverse permutation), then each rank's chunks summed over cp
+        inverse = torch.argsort(_natural_order(size, g.device))
+        g = blocks.index_select(dim, inverse).flatten(dim, dim + 1)
+        return _rs(g, dim, group, size), None, None, None
+
+
+def gather_sequence(x: torch.Tensor, dim: int, group: str, size: int) -> torch.Tensor:
+    """The whole sequence, in order, from every cp rank's two chunks of ``dim`` (``rank_chunks``):
+    an all-gather over cp; backward reduce-scatters the gradient (every rank's queries contributed
+    to every key and value), so each rank gets its chunks' summed gradient."""
+    return _GatherSequence.apply(x, dim, group, size)
+
+
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      dropout_p: float, scale: float | None, enable_gqa: bool, group: str, size: int,
+                      rank: int) -> torch.Tensor:
+    """Causal sdpa of this cp rank's queries (its two chunks, dim -2) over the whole sequence's keys
+    and values, all-gathered over cp (the all-gather-KV variant, Llama 3's). ``mask`` None: the
+    causal mask of the rank's query positions against every key position; else a boolean or
+    additive mask already cut to the rank's query rows, over every key in order."""
+    seq = q.dim() - 2
+    k_all, v_all = gather_sequence(k, seq, group, size), gather_sequence(v, seq, group, size)
+    if mask is None:
+        whole = k_all.shape[seq]
+        positions = rank_chunks(torch.arange(whole, device=q.device), 0, size, rank)
+        mask = positions[:, None] >= torch.arange(whole, device=q.device)[None, :]
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                          enable_gqa=enable_gqa)
+
+
+def context_loss_scale(target: torch.Tensor, ignore_index: int, mean: bool, group: str, size: int) -> torch.Tensor:
+    """What this cp rank's summed token loss is multiplied by so that the mean over cp (as over dp)
+    of the ranks' losses is the loss of the whole sequences: ``size / tokens`` for a mean over the
+    tokens not ``ignore_index`` on all cp ranks (counted by an all-reduce), ``size`` for a sum."""
+    if not mean:
+        return torch.tensor(float(size), device=target.device)
+    counted = (target != ignore_index).sum().to(torch.float64)
+    return size / _ar(counted.detach(), group).to(torch.float32)

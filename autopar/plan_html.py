@@ -3,7 +3,7 @@
 The page needs nothing at view time: CSS and the few lines of JS are inline, no fonts, no
 network. It shows, top to bottom:
 
-- a header: mesh (dp, pp, tp), device, schedule and microbatches, sequence parallel, ZeRO,
+- a header: mesh (dp, pp, tp; cp too when the plan splits sequences), device, schedule and microbatches, sequence parallel, ZeRO,
   recompute mode, predicted step time, and the plan's warnings (an idle axis, a peak above the device);
 - the model as its layers in order, grouped into one ``<section data-stage="k">`` per pipeline
   stage and coloured by stage. A layer is the module that owns a run of graph nodes (a stage
@@ -194,7 +194,9 @@ def _header(plan) -> str:
     sched = f"{plan.schedule}, {plan.microbatches} microbatches"
     if plan.virtual_stages > 1:
         sched += f", {plan.virtual_stages} stages per rank"
-    facts = [("mesh (dp, pp, tp)", f"({dp}, {pp}, {tp}) = {dp * pp * tp} GPUs"), ("device", plan.device),
+    mesh = (("mesh (dp, pp, cp, tp)", f"({dp}, {pp}, {plan.cp}, {tp}) = {dp * pp * plan.cp * tp} GPUs, each sequence "
+             f"split over cp={plan.cp} ranks") if plan.cp > 1 else ("mesh (dp, pp, tp)", f"({dp}, {pp}, {tp}) = {dp * pp * tp} GPUs"))
+    facts = [mesh, ("device", plan.device),
              ("schedule", sched if pp > 1 else f"no pipeline, {plan.microbatches} microbatch(es)"),
              ("sequence parallel", "on" if plan.sequence_parallel else "off"), ("ZeRO", _zero_fact(plan)),
              ("recompute", f"{plan.recompute} ({len(plan.recompute_regions)} regions)"),
@@ -313,7 +315,7 @@ def render(plan) -> str:
     """The plan as a complete, self-contained HTML document (no network needed to view it)."""
     dp, pp, tp = plan.mesh
     return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-            f"<title>autopar plan: dp={dp} pp={pp} tp={tp} ({_e(plan.device)})</title>"
+            f"<title>autopar plan: dp={dp} pp={pp}{f' cp={plan.cp}' if plan.cp > 1 else ''} tp={tp} ({_e(plan.device)})</title>"
             f"<style>{_CSS}</style><script>{_JS}</script></head><body><main>"
             f"{_header(plan)}{_model(plan)}{_memory(plan)}{_parameters(plan)}"
             "</main></body></html>\n")

@@ -121,6 +121,7 @@ class Plan:
     model: str = ""                 # what `python -m autopar plan` was given (a config or file.py:factory), for `diff`
     warnings: tuple[str, ...] = ()  # an axis doing no work, a peak above the device: derived anew at every planning
     dp_replicate: int = 1           # HSDP: dp = dp_replicate x dp_shard; ZeRO shards over dp_shard, all-reduces across replicas
+    cp: int = 1                     # context parallelism: each sequence split over cp ranks (2·cp chunks); 1 in older files
 
     @property
     def dp_shard(self) -> int:
@@ -136,6 +137,8 @@ class Plan:
         if self.dp_replicate < 1 or self.mesh[0] % self.dp_replicate:
             raise PlanFormatError(f"plan.dp_replicate {self.dp_replicate}: expected a positive divisor of "
                                   f"dp={self.mesh[0]} (dp = dp_replicate x dp_shard)")
+        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
+            raise PlanFormatError(f"plan.cp {self.cp!r}: expected a positive integer (the context-parallel degree)")
         why = offload_limit(self.offload, self.precision, self.zero, self.mesh, self.microbatches)
         if why:
             raise PlanFormatError(f"plan.offload: {why}")
@@ -149,7 +152,7 @@ class Plan:
     @property
     def predicted_mfu(self) -> float:
         """Model FLOPs utilisation the prediction implies: model FLOPs / (step time x peak x devices)."""
-        devices = self.mesh[0] * self.mesh[1] * self.mesh[2]
+        devices = self.mesh[0] * self.mesh[1] * self.mesh[2] * self.cp
         denom = self.predicted_step_time * self.peak_flops * devices
         return self.model_flops / denom if denom else 0.0
 
@@ -220,7 +223,7 @@ class Plan:
         strategies, collectives (count and bytes per place), stages, memory, predicted time.
         Returns "no differences" when the two plans decide the same things."""
         out: list[str] = []
-        for f in ("mesh", "dp_replicate", "input_shapes", "sequence_parallel", "zero", "keep_gathered", "offload", "microbatches",
+        for f in ("mesh", "dp_replicate", "cp", "input_shapes", "sequence_parallel", "zero", "keep_gathered", "offload", "microbatches",
                   "schedule", "virtual_stages", "recompute", "precision", "device"):
             a, b = getattr(self, f), getattr(other, f)
             if a != b:
@@ -258,7 +261,7 @@ class Plan:
         """A readable account: mesh, parameters and their placements, collectives per layer, memory,
         times, then the notes and warnings (an idle axis, a peak above the device)."""
         mesh = Mesh.of_plan(self)
-        lines = [f"autopar plan ({self.source}) for mesh {mesh.dp_text()} pp={mesh.pp} tp={mesh.tp} on {self.device}",
+        lines = [f"autopar plan ({self.source}) for mesh {mesh.dp_text()} pp={mesh.pp}{mesh.cp_text()} tp={mesh.tp} on {self.device}",
                  f"  microbatch input shapes {list(map(list, self.input_shapes))}, microbatches "
                  f"{self.microbatches}, sequence parallel {'on' if self.sequence_parallel else 'off'}, "
                  f"ZeRO-{self.zero}{_zero_axes(self.zero, mesh)}{_kept_gathered(self.keep_gathered)}{_offloaded(self.offload)}, "
@@ -359,7 +362,8 @@ def dp_placements(mesh: Mesh, zero: int) -> dict[str, str]:
     """A parameter's placements on the dp axes: sharded by rows where ZeRO shards it (from zero=1
     on, over dp, or over dp_shard and replicated across dp_replicate when dp is split), else replicated."""
     sharded = "S(0)" if zero and mesh.dp_shard > 1 else "R"
-    return {"dp_replicate": "R", "dp_shard": sharded} if mesh.split else {"dp": sharded}
+    dp = {"dp_replicate": "R", "dp_shard": sharded} if mesh.split else {"dp": sharded}
+    return {**dp, "cp": "R"} if mesh.cp > 1 else dp   # replicated over cp: every rank runs all the weights
 
 
 def zero_on_mesh(zero: int, mesh: Mesh) -> tuple[int, tuple[str, ...]]:

@@ -65,7 +65,8 @@ def run(case: str) -> None:
     tokens = batch * seq / plan.predicted_step_time / gpus
     print(f"## {case}: {name} ({params / 1e9:.2f}B parameters), {gpus} H100, batch {batch} x {seq}, "
           f"budget {budget}\n{about}\n")
-    print(f"planned in {seconds:.1f} s; chosen {plan.mesh} zero={plan.zero} "
+    split = f" (HSDP {plan.dp_replicate} x {plan.mesh[0] // plan.dp_replicate})" if plan.dp_replicate > 1 else ""
+    print(f"planned in {seconds:.1f} s; chosen {plan.mesh}{split} zero={plan.zero} "
           f"recompute {plan.recompute} ({len(plan.recompute_regions)} regions); predicted {plan.predicted_step_time * 1e3:.1f} ms/step, "
           f"{tokens:,.0f} tokens/s/GPU, MFU {plan.predicted_mfu:.1%}\n")
     for note in plan.notes:

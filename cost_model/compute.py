@@ -365,5 +365,7 @@ def _is_zero(x) -> bool:
 def _symbolic(x) -> bool:
     """Whether ``x`` is a sympy expression. Only ``cost_model.symbolic`` builds them, after importing
     sympy; this module does not import it, which would cost every spawned rank 0.4 s."""
+    if isinstance(x, (int, float)):   # the planner's case, without touching sympy's lazily loaded names
+        return False
     sympy = sys.modules.get("sympy")
     return sympy is not None and isinstance(x, sympy.Basic)

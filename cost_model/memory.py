@@ -29,10 +29,12 @@ import numpy as np
 import torch
 from torch.fx import Node
 
+from autopar.passes.capture import graph_cached
 from autopar.passes.units import zero_units
 from autopar.placement import local_shape
 
 from .compute import node_flops
+from .memo import cached, strategies_of
 
 aten = torch.ops.aten
 
@@ -268,7 +270,30 @@ def compiled_kept(nodes, strategies: dict, size: int, recompute=()) -> dict:
     partitioner (torch 2.13, CPU, ``tests/cost_model/test_compiled_memory.py``) and within 0.01%
     on an H200 (torch 2.11, h=2048, s=2048, bf16). LayerNorm statistics stay 8 bytes a row: the
     CPU decomposition rounds them to the compute dtype, the CUDA one does not.
-    ``recompute``: as for ``activation_bytes``."""
+    ``recompute``: as for ``activation_bytes``. Computed once per question (``cost_model.memo``):
+    callers must not change the dict."""
+    nodes, recompute = tuple(nodes), tuple(tuple(r) for r in recompute)
+    if not nodes:
+        return {}
+    read = _read_nodes(nodes, recompute)
+    return cached(nodes[0].graph, ("compiled_kept", nodes, recompute, size),
+                  lambda: _compiled_kept(nodes, strategies, size, recompute), *strategies_of(strategies, read))
+
+
+def _read_nodes(nodes: tuple, recompute: tuple) -> tuple:
+    """The nodes whose strategies ``compiled_kept`` of ``nodes`` reads: theirs, their inputs' and the
+    regions'."""
+    def compute():
+        out = dict.fromkeys(nodes)
+        for region in recompute:
+            out.update(dict.fromkeys(region))
+        for n in list(out):
+            out.update(dict.fromkeys(n.all_input_nodes))
+        return tuple(out)
+    return cached(nodes[0].graph, ("read_nodes", nodes, recompute), compute)
+
+
+def _compiled_kept(nodes, strategies: dict, size: int, recompute) -> dict:
     in_region = {n for region in recompute for n in region}
     kept, fused_only, at = {}, {}, {}
     for n in nodes:
@@ -409,20 +434,36 @@ def param_state(cap, strategies, fqns, tp: int, dp: int, zero: int, working_copy
     return params * (1 + working_copy) + stepped, params, optimizer
 
 
+def param_grad_bytes(cap, strategies, fqns, tp: int, dp: int, zero: int, working_copy: float,
+                     offload: bool = False) -> dict[str, float]:
+    """FQN -> the gradient bytes ``param_state`` counts for that parameter alone (its second term,
+    one parameter at a time), without pricing the weights and state the gradient does not need."""
+    out = {}
+    for f, b in local_param_bytes(cap, strategies, fqns, tp).items():
+        if zero >= 2 and dp > 1:
+            out[f] = b / dp
+        elif offload:
+            out[f] = b * (working_copy or 1.0)
+        else:
+            out[f] = b
+    return out
+
+
 def local_param_bytes(cap, strategies, fqns, tp: int) -> dict[str, float]:
     """FQN -> bytes of its local (tp) shard under ``strategies``, for the parameters ``fqns``."""
     local = {}
     for fqn in fqns:
         node = cap.params[fqn]
         v = node.meta["val"]
-        local[fqn] = float(np.prod(local_shape(tuple(v.shape), strategies[node].output, tp))) * v.element_size()
+        # an exact integer product (np.prod's, as the sizes are far below 2**63), without numpy's per-call cost
+        local[fqn] = float(math.prod(local_shape(tuple(v.shape), strategies[node].output, tp))) * v.element_size()
     return local
 
 
 def stage_fqns(cap, nodes) -> list[str]:
     """The FQNs of the parameters ``nodes`` (one stage's ops) use."""
-    members = set(nodes)
-    return [f for f, p in cap.params.items() if any(u in members for u in p.users)]
+    inputs = {a for n in nodes for a in n.all_input_nodes}   # p feeds u exactly when u is among p's users
+    return [f for f, p in cap.params.items() if p in inputs]
 
 
 def kept_gathered_bytes(cap, strategies, mesh, nodes, working_copy: float):
@@ -433,7 +474,8 @@ def kept_gathered_bytes(cap, strategies, mesh, nodes, working_copy: float):
     local = local_param_bytes(cap, strategies, stage_fqns(cap, nodes), mesh.tp)
     unit_bytes, shared = unit_gathered_bytes(cap, local)
     scale, base = working_copy or 1.0, gathered_weights(unit_bytes, shared)
-    names = {u.name for u in zero_units(cap) if regathers(u, shared_params(cap, local))}
+    tied = shared_params(cap, local)
+    names = {u.name for u in zero_units(cap) if regathers(u, tied)}
 
     def extra(kept) -> float:
         return (gathered_weights(unit_bytes, shared, kept) - base) * scale
@@ -458,16 +500,23 @@ def host_state(cap, strategies, mesh, nodes, zero: int) -> float:
     return 1.5 * param_state(cap, strategies, stage_fqns(cap, nodes), mesh.tp, mesh.dp_shard, zero, 0.0)[2]
 
 
+@graph_cached
+def _param_units(cap) -> dict[str, tuple[int, ...]]:
+    """FQN -> the positions in ``zero_units(cap)`` of the units whose ops use the parameter, in order:
+    what ``shared_params`` and ``unit_param_bytes`` read, computed once per capture (the planner
+    asks for it on every candidate mesh and ZeRO stage)."""
+    unit_of: dict = {}
+    for k, u in enumerate(zero_units(cap)):
+        for n in u.nodes:
+            unit_of.setdefault(n, set()).add(k)
+    return {f: tuple(sorted({k for user in p.users for k in unit_of.get(user, ())})) for f, p in cap.params.items()}
+
+
 def shared_params(cap, local) -> set[str]:
     """The FQNs of ``local`` that several layer units use (a tied embedding): ZeRO-2/3 gather those
     once, before the first of the units, and keep them gathered to the last one's backward."""
-    uses = {}
-    for u in zero_units(cap):
-        members = set(u.nodes)
-        for f in local:
-            if any(user in members for user in cap.params[f].users):
-                uses[f] = uses.get(f, 0) + 1
-    return {f for f, n in uses.items() if n > 1}
+    where = _param_units(cap)
+    return {f for f in local if len(where[f]) > 1}
 
 
 def unit_gathered_bytes(cap, local: dict[str, float]) -> tuple[dict[str, float], float]:
@@ -492,13 +541,12 @@ def gathered_weights(unit_bytes: dict[str, float], shared: float, kept=()) -> fl
 def unit_param_bytes(cap, local: dict[str, float]) -> dict[str, float]:
     """Bytes of ``local`` (FQN -> bytes) per layer unit that uses them (a weight two units use
     counts in both)."""
-    out = {}
-    for u in zero_units(cap):
-        members = set(u.nodes)
-        used = [f for f in local if any(user in members for user in cap.params[f].users)]
-        if used:
-            out[u.name] = sum(local[f] for f in used)
-    return out
+    where = _param_units(cap)
+    used: dict[int, list[float]] = {}
+    for f, b in local.items():   # each unit's bytes summed in ``local``'s order
+        for k in where[f]:
+            used.setdefault(k, []).append(b)
+    return {u.name: sum(used[k]) for k, u in enumerate(zero_units(cap)) if k in used}
 
 
 def stage_terms(cap, strategies, mesh, nodes, regions, *, zero: int, microbatches: int, working_copy: float,
@@ -506,14 +554,25 @@ def stage_terms(cap, strategies, mesh, nodes, regions, *, zero: int, microbatche
     """(params, gradients held through the forward, optimizer, one microbatch's activations,
     [(node, backward excess)]) of one stage's ``nodes`` with ``regions`` recomputed: the terms
     of its peak (``autopar.planner.recompute.memory_breakdown``); ``offload`` and ``kept`` (ZeRO-3's
-    units kept gathered) as ``param_state``."""
-    held = microbatches > 1   # gradients accumulate over the step's microbatches
+    units kept gathered) as ``param_state``. Computed once per question (``cost_model.memo``)."""
+    nodes = tuple(nodes)
     members = set(nodes)
+    mine = tuple(tuple(r) for r in regions if r and r[0] in members)
+    if not nodes:
+        return _stage_terms(cap, strategies, mesh, nodes, mine, zero, microbatches, working_copy, offload, kept)
+    key = ("stage_terms", nodes, mine, mesh.tp, mesh.dp_shard, zero, microbatches, working_copy, offload,
+           frozenset(kept))
+    return cached(nodes[0].graph, key, lambda: _stage_terms(cap, strategies, mesh, nodes, mine, zero, microbatches,
+                                                            working_copy, offload, kept),
+                  *strategies_of(strategies, _read_nodes(nodes, mine)))
+
+
+def _stage_terms(cap, strategies, mesh, nodes, mine, zero, microbatches, working_copy, offload, kept):
+    held = microbatches > 1   # gradients accumulate over the step's microbatches
     fqns = stage_fqns(cap, nodes)
     params, grads, opt = param_state(cap, strategies, fqns, mesh.tp, mesh.dp_shard, zero, working_copy, offload, kept)
-    mine = [r for r in regions if r and r[0] in members]
     kept = compiled_kept(nodes, strategies, mesh.tp, mine)
-    per_param = {cap.params[f]: param_state(cap, strategies, [f], mesh.tp, mesh.dp_shard, zero, working_copy, offload)[1]
-                 for f in fqns}
+    per_param = {cap.params[f]: b for f, b in param_grad_bytes(cap, strategies, fqns, mesh.tp, mesh.dp_shard, zero,
+                                                               working_copy, offload).items()}
     excess = backward_excess(nodes, kept, strategies, mesh.tp, per_param, held)
     return params, grads if held else 0.0, opt, sum(kept.values()), excess

@@ -18,6 +18,7 @@ from autopar.passes.rules import is_float
 from autopar.placement import Shard, local_shape
 
 from .comm import axis_is_inter_node, collective_time
+from .memo import cached, strategies_of
 from .memory import compiled_kept
 from .strategy import OP_OVERHEAD, strategy_time, tensor_bytes, tp_collectives
 
@@ -99,6 +100,30 @@ def state_bytes_per_param_byte(mesh, zero: int, working_copy: float = 0.0, offlo
     return 4.0 + working_copy
 
 
+def state_floor(param_bytes: float, mesh, zero: int, working_copy: float, microbatches: int, stages: int) -> float:
+    """A lower bound of a plan's peak bytes per device (``memory.param_state``'s terms summed over
+    its ``stages``, ``stage_terms``), before its strategies and stage cut are known, from
+    ``param_bytes``, the model's parameter bytes at least one rank's shards add up to (full / tp).
+
+    A stage's peak holds its parameters' weights, optimizer state and, with several microbatches,
+    their gradients (activations and the transient are >= 0); each parameter's local shard is at
+    least 1/tp of it and the stages together hold every parameter, so the fullest of the ``stages``
+    holds at least 1/stages of
+
+        ZeRO-0:    (1 + w) + 2          (+ 1 gradient)       bytes per parameter byte
+        ZeRO-1:    (1 + w) + 1/d + 2/d  (+ 1)
+        ZeRO-2/3:  1/d + 2/d            (+ 1/d)              (gathered weights >= 0)
+
+    with w the working copy's ratio and d = dp_shard, as ``param_state`` counts them."""
+    d = mesh.dp_shard
+    held = microbatches > 1
+    if zero >= 2 and d > 1:
+        per_byte = 3.0 / d + (1.0 / d if held else 0.0)
+    else:
+        per_byte = (1.0 + working_copy) + (1.0 / d if zero == 1 else 0.0) + 2.0 / (d if zero else 1) + (1.0 if held else 0.0)
+    return param_bytes * per_byte / stages
+
+
 def unit_costs(cap, strategies: dict, units, mesh, dev, *, zero: int, gpus_per_node: int, working_copy: float,
                regions=(), tp_seconds: bool = False):
     """Per unit (anything with the ``nodes`` it runs) per microbatch: seconds (fwd+bwd, with the
@@ -115,7 +140,40 @@ def unit_costs(cap, strategies: dict, units, mesh, dev, *, zero: int, gpus_per_n
     tp = mesh.tp
     tp_inter = axis_is_inter_node(tp, 1, gpus_per_node)
     pp_inter = axis_is_inter_node(mesh.pp, tp, gpus_per_node)
+    units = tuple(units)
     unit_of = {n: k for k, u in enumerate(units) for n in u.nodes}
+    static = np.zeros(len(units))
+    state = state_bytes_per_param_byte(mesh, zero, working_copy)
+    params = tuple(cap.params.values())
+    sizes_of = cached(cap.gm.graph, ("unit_param_sizes", units, tp),
+                      lambda: _unit_param_sizes(cap, strategies, units, unit_of, tp), *strategies_of(strategies, params))
+    for k, sizes in enumerate(sizes_of):
+        for nbytes in sizes:   # in the order the parameters are summed
+            static[k] += nbytes * state
+    regions = tuple(tuple(r) for r in regions)
+    nodes = tuple(cap.gm.graph.nodes)
+    time, act, boundary, tp_time = cached(
+        cap.gm.graph, ("unit_costs", units, tp, tp_inter, pp_inter, regions),
+        lambda: _unit_costs(cap, strategies, units, unit_of, tp, dev, tp_inter, pp_inter, regions), dev,
+        *strategies_of(strategies, nodes))
+    time, act, boundary, tp_time = time.copy(), act.copy(), boundary.copy(), tp_time.copy()
+    return (time, static, act, boundary, tp_time) if tp_seconds else (time, static, act, boundary)
+
+
+def _unit_param_sizes(cap, strategies, units, unit_of, tp: int) -> list[list[float]]:
+    """Per unit, the local bytes of each parameter its ops use, in ``cap.params`` order."""
+    out = [[] for _ in units]
+    for node in cap.params.values():
+        pl = strategies[node].output
+        nbytes = float(np.prod(local_shape(tuple(node.meta["val"].shape), pl, tp))) * node.meta["val"].element_size()
+        for k in {unit_of[u] for u in node.users if u in unit_of}:
+            out[k].append(nbytes)
+    return out
+
+
+def _unit_costs(cap, strategies, units, unit_of, tp: int, dev, tp_inter: bool, pp_inter: bool, regions):
+    """``unit_costs``' figures that the ZeRO stage does not change: seconds, activation bytes, cut
+    seconds and tp seconds per unit, once per graph, units, strategies and regions (``cost_model.memo``)."""
     time = np.zeros(len(units))
     for n, k in unit_of.items():
         time[k] += strategy_time(n, strategies[n], tp, dev, tp_inter) + OP_OVERHEAD
@@ -125,13 +183,6 @@ def unit_costs(cap, strategies: dict, units, mesh, dev, *, zero: int, gpus_per_n
             if consumer in unit_of:
                 tp_time[unit_of[consumer]] += collective_time(kind, nbytes, tp, dev, tp_inter)
     time += tp_time
-    static = np.zeros(len(units))
-    state = state_bytes_per_param_byte(mesh, zero, working_copy)
-    for node in cap.params.values():
-        pl = strategies[node].output
-        nbytes = float(np.prod(local_shape(tuple(node.meta["val"].shape), pl, tp))) * node.meta["val"].element_size()
-        for k in {unit_of[u] for u in node.users if u in unit_of}:
-            static[k] += nbytes * state
     act = np.zeros(len(units))
     for k, u in enumerate(units):
         members = set(u.nodes)
@@ -146,7 +197,7 @@ def unit_costs(cap, strategies: dict, units, mesh, dev, *, zero: int, gpus_per_n
             sent[last] -= nbytes
     bw = dev.inter_node_bw if pp_inter else dev.intra_node_bw
     boundary = 2 * np.cumsum(sent)[:max(len(units) - 1, 0)] / bw   # activations forward, gradients back
-    return (time, static, act, boundary, tp_time) if tp_seconds else (time, static, act, boundary)
+    return time, act, boundary, tp_time
 
 
 def rank_param_bytes(static, bounds, mesh, zero: int, working_copy: float) -> float:

@@ -21,6 +21,7 @@ from autopar.placement import local_shape
 
 from .comm import axis_is_inter_node, collective_time
 from .compute import update_time
+from .memo import cached, strategies_of
 from .strategy import OP_OVERHEAD, strategy_time
 
 
@@ -117,6 +118,25 @@ def unit_sync_times(unit_bytes, mesh, dev, zero: int, gpus_per_node: int, *, gat
     return gather, regather, each("bwd", ("reduce_scatter", "all_reduce"))
 
 
+def zero_sync_floor(param_bytes: float, mesh, dev, zero: int, gpus_per_node: int, *, microbatches: int,
+                    gathered: float = 1.0) -> float:
+    """A lower bound of a ZeRO-2/3 plan's step time (seconds), before its strategies and stage cut
+    are known: the backward's reduce-scatters (and a split dp's all-reduces after them) of the
+    busiest rank's units, which ``zero_exposed_time`` counts in full, every microbatch. That rank's
+    units hold at least ``param_bytes`` (the model's bytes / (tp * pp)), and a collective's time is
+    alpha * steps + bytes / bandwidth, so the per-unit collectives take at least one collective of
+    all their bytes: ``microbatches * R(param_bytes)``. None when a latency is negative (a fitted
+    profile's), where that sum would not bound it, or for ZeRO-0/1."""
+    if zero < 2 or mesh.dp == 1:
+        return None
+    for _, kind, axis, _ in dp_sync_collectives(mesh, zero):
+        inter = axis_is_inter_node(mesh.size(axis), mesh.inner_size(axis), gpus_per_node)
+        if dev.collective_params(kind, inter)[0] < 0:
+            return None
+    _, _, scatter = unit_sync_times([param_bytes], mesh, dev, zero, gpus_per_node, gathered=gathered)
+    return microbatches * scatter[0]
+
+
 BACKWARD_SHARE = 2 / 3   # of a unit's compute: a matmul's backward is two matmuls of its forward's size
 
 
@@ -159,7 +179,20 @@ def zero_unit_figures(strategies: dict, units, tp: int, dev, tp_inter: bool) -> 
     """``dp_sync_time``'s ``units`` without pipeline stages: per unit (anything with the ``nodes`` it
     runs, ``passes.units.zero_units``), the local bytes of the parameters its ops use (a weight
     several units use, a tied embedding, counts in the first: one gather serves them all) and its
-    ops' forward and backward seconds as ``flat_compute_time`` prices them, for one microbatch."""
+    ops' forward and backward seconds as ``flat_compute_time`` prices them, for one microbatch
+    (once per graph, units and strategies, ``cost_model.memo``)."""
+    units = tuple(units)
+    if not units or not units[0].nodes:
+        return _zero_unit_figures(strategies, units, tp, dev, tp_inter)
+    graph = units[0].nodes[0].graph
+    read = cached(graph, ("unit_inputs", units),
+                  lambda: tuple(dict.fromkeys(a for u in units for n in u.nodes for a in (n, *n.all_input_nodes))))
+    return list(cached(graph, ("zero_unit_figures", units, tp, tp_inter),
+                       lambda: _zero_unit_figures(strategies, units, tp, dev, tp_inter), dev,
+                       *strategies_of(strategies, read)))
+
+
+def _zero_unit_figures(strategies: dict, units, tp: int, dev, tp_inter: bool) -> list[tuple[float, float]]:
     out, seen = [], set()
     for u in units:
         params = dict.fromkeys(a for n in u.nodes for a in n.all_input_nodes
@@ -225,10 +258,16 @@ def plan_update_time(memory, mesh, zero: int, precision: str, dev, *, offload: b
 def flat_compute_time(strategies: dict, tp: int, dev, tp_inter: bool, microbatches: int) -> float:
     """The compute term without pipeline stages: every op's forward and backward under its
     strategy and its launch overhead (``OP_OVERHEAD``, as the pipeline's units charge it), the
-    collectives inside ops left to ``tp_comm_time``, for each microbatch."""
+    collectives inside ops left to ``tp_comm_time``, for each microbatch (the sum once per graph and
+    strategies, ``cost_model.memo``)."""
+    if not strategies:
+        return microbatches * 0.0
     ops = sum(1 for n in strategies if n.op == "call_function")
-    return microbatches * (sum(strategy_time(n, s, tp, dev, tp_inter, False) for n, s in strategies.items())
-                           + OP_OVERHEAD * ops)
+    nodes = tuple(strategies)
+    ops_time = cached(nodes[0].graph, ("flat_compute", tp, tp_inter, nodes),
+                      lambda: sum(strategy_time(n, s, tp, dev, tp_inter, False) for n, s in strategies.items()), dev,
+                      *strategies.values())
+    return microbatches * (ops_time + OP_OVERHEAD * ops)
 
 
 def tp_comm_time(collectives, tp: int, dev, tp_inter: bool) -> float:

@@ -21,6 +21,7 @@ from autopar.placement import R, Placement, local_shape
 
 from .comm import collective_time, summed_bytes
 from .compute import attention_kind, compute_time, node_bytes, node_flops
+from .memo import cached, strategies_of
 from .memory import VIEW_OPS
 
 # Fixed host-side cost of issuing one collective (kernel launch, stream sync). Besides being
@@ -74,6 +75,11 @@ def strategy_time(node: Node, s, tp: int, dev, inter_node: bool, with_comm: bool
     others); 0 for views and non-ops."""
     if node.op != "call_function" or node.target in VIEW_OPS:
         return 0.0
+    return cached(node.graph, ("strategy_time", node, tp, inter_node, with_comm),
+                  lambda: _strategy_time(node, s, tp, dev, inter_node, with_comm), dev, s)
+
+
+def _strategy_time(node: Node, s, tp: int, dev, inter_node: bool, with_comm: bool) -> float:
     flops, nbytes, dtype = strategy_work(node, s)
     t = compute_time(flops, nbytes, dev, dtype, attention_kind(node))
     if not with_comm:
@@ -115,19 +121,14 @@ def move_time(moved: Node, consumer_target, slot: int, form: tuple, tp: int, dev
                for _, kind in kinds)
 
 
-_LAST_COLLECTIVES: list = []   # (graph, strategies, tp, result) of the last call: a plan's fields and its
-                               # stage costs ask for the same list one after the other
-
-
 def tp_collectives(cap, strategies: dict, tp: int):
-    """(phase, kind, where, bytes, consumer node) of every tp collective the rewrite will emit."""
-    if _LAST_COLLECTIVES:
-        gm, last, size, result = _LAST_COLLECTIVES[0]
-        if gm is cap.gm and last is strategies and size == tp:
-            return list(result)
-    out = _tp_collectives(cap, strategies, tp)
-    _LAST_COLLECTIVES[:] = [(cap.gm, strategies, tp, tuple(out))]
-    return out
+    """(phase, kind, where, bytes, consumer node) of every tp collective the rewrite will emit; once per
+    graph, tp and strategies (``cost_model.memo``: a plan's fields and its stage costs ask for the same
+    list, and so do the ZeRO stages of a mesh whose ILP chose alike)."""
+    g = cap.gm.graph
+    nodes = tuple(g.nodes)
+    return list(cached(g, ("tp_collectives", tp, nodes), lambda: tuple(_tp_collectives(cap, strategies, tp)),
+                       *strategies_of(strategies, nodes)))
 
 
 def _tp_collectives(cap, strategies: dict, tp: int):

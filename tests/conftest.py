@@ -36,10 +36,12 @@ def pytest_terminal_summary(terminalreporter):
 
     rows = pool.timings()
     if rows:
-        totals = {}
-        for seconds, world, _ in rows:
+        totals, cpu = {}, {}
+        for seconds, used, world, _ in rows:
             totals[world] = totals.get(world, 0.0) + seconds
-        terminalreporter.write_line("pooled jobs, seconds on rank 0, per world: "
-                                    + ", ".join(f"{w}: {s:.0f}" for w, s in sorted(totals.items())))
-        for seconds, world, name in rows[:20]:
-            terminalreporter.write_line(f"  {seconds:7.1f}  world {world}  {name}")
+            cpu[world] = cpu.get(world, 0.0) + used
+        terminalreporter.write_line("pooled jobs, seconds on rank 0 (CPU seconds of all ranks), per world: "
+                                    + ", ".join(f"{w}: {s:.0f} ({cpu[w]:.0f})" for w, s in sorted(totals.items())))
+        terminalreporter.write_line(pool.timeline())
+        for seconds, used, world, name in rows[:20]:
+            terminalreporter.write_line(f"  {seconds:7.1f} ({used:6.1f} CPU)  world {world}  {name}")

@@ -44,6 +44,9 @@ _ENV: dict[str, str] = {}   # the environment ranks run with, taken by start()
 _BACKGROUND: list[threading.Thread] = []
 _PENDING: list[int] = []   # the worlds the background thread has yet to run, next first (guarded by _LOCK)
 _DONE: dict[int, threading.Event] = {}   # set once the background thread has run a world
+_SPANS: list[tuple[int, float, float, float]] = []   # (world, start, end, CPU seconds of its processes) of each spawn
+_WAITED: list[float] = [0.0]   # seconds the tests spent blocked on pooled results
+_T0: list[float] = []   # when start() ran
 
 
 class JobError(AssertionError):
@@ -60,12 +63,14 @@ class Job:
 
     def result(self) -> list:
         """fn's return values, indexed by rank."""
+        waiting = time.perf_counter()
         per_rank = _run(self.world)
+        _WAITED[0] += time.perf_counter() - waiting
         outcomes = [r[self.index] for r in per_rank]
-        errors = [f"rank {rank}:\n{value}" for rank, (ok, value, _) in enumerate(outcomes) if not ok]
+        errors = [f"rank {rank}:\n{value}" for rank, (ok, value, *_) in enumerate(outcomes) if not ok]
         if errors:
             raise JobError(f"{self.fn.__module__}.{self.fn.__qualname__} failed in the pool:\n" + "\n".join(errors))
-        return [value for _, value, _ in outcomes]
+        return [value for _, value, *_ in outcomes]
 
 
 def job(world: int, fn, *args, timeout: float = 600.0, workdir: bool = False, lazy=None) -> Job:
@@ -98,6 +103,7 @@ def modules() -> set[str]:
 def start() -> None:
     """Runs every world registered so far in a background thread, largest total job timeout first."""
     _ENV.update(os.environ)
+    _T0.append(time.perf_counter())
     with _LOCK:
         _PENDING[:] = sorted(_JOBS, key=lambda w: -sum(j.timeout for j in _JOBS[w]))
         for world in _PENDING:
@@ -139,15 +145,27 @@ def _restore_environment(env: dict[str, str]) -> None:
     os.environ.update({**env, **own})
 
 
+def _cpu_seconds() -> float:
+    """This process's CPU time, with that of its finished children (Inductor's compiler runs)."""
+    return sum(os.times()[:4])
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's finished children and theirs (a world's ranks, once joined)."""
+    t = os.times()
+    return t.children_user + t.children_system
+
+
 def _run_all(rank, world, jobs, env):
     _restore_environment(env)
     out = []
     for fn, args in jobs:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _cpu_seconds()
         try:
-            out.append((True, fn(rank, world, *args), time.perf_counter() - start))
+            ok, value = True, fn(rank, world, *args)
         except Exception:
-            out.append((False, traceback.format_exc(), time.perf_counter() - start))
+            ok, value = False, traceback.format_exc()
+        out.append((ok, value, time.perf_counter() - start, _cpu_seconds() - cpu))
     # plain pickle bytes: the pipe's own pickler would share every tensor through a file
     # descriptor, and a pool's worth of them runs out ("received 0 items of ancdata")
     return pickle.dumps(out)
@@ -188,20 +206,32 @@ def _run_locked(world: int) -> list:
                 j.path = tempfile.mkdtemp(dir=_WORKDIR[0])
         work = [(j.fn, ((j.path,) if j.workdir else ()) + j.args + (tuple(j.lazy()) if j.lazy else ()))
                 for j in todo]
+        began, reaped = time.perf_counter(), _children_cpu()
         try:
             res = spawn(_run_all, world, work, dict(_ENV), timeout=min(3600.0, sum(j.timeout for j in todo)))
         except Exception as e:
             _FAILED[world] = f"{type(e).__name__}: {e}"
             raise
+        finally:
+            t0 = _T0[0] if _T0 else began
+            _SPANS.append((world, began - t0, time.perf_counter() - t0, _children_cpu() - reaped))
         previous = _RESULTS.get(world, [[] for _ in range(world)])
         _RESULTS[world] = [previous[r] + pickle.loads(res[r]) for r in range(world)]
     return _RESULTS[world]
 
 
-def timings() -> list[tuple[float, int, str]]:
-    """(seconds on rank 0, world size, job) of every job run so far, slowest first."""
+def timeline() -> str:
+    """When each world ran (seconds since the pool started) and how long tests waited for results."""
+    spans = ", ".join(f"{w} ranks {a:.0f}-{b:.0f} s ({cpu:.0f} CPU s)" for w, a, b, cpu in _SPANS)
+    return f"pool timeline: {spans}; tests waited {_WAITED[0]:.0f} s for pooled results"
+
+
+def timings() -> list[tuple[float, float, int, str]]:
+    """(seconds on rank 0, CPU seconds of all ranks, world size, job) of every job run so far, slowest first."""
     out = []
     for world, results in _RESULTS.items():
-        for j, (_, _, seconds) in zip(_JOBS[world], results[0]):
-            out.append((seconds, world, f"{j.fn.__module__}.{j.fn.__qualname__}"))
+        for k, j in enumerate(_JOBS[world]):
+            if k < len(results[0]):
+                cpu = sum(r[k][3] for r in results)
+                out.append((results[0][k][2], cpu, world, f"{j.fn.__module__}.{j.fn.__qualname__}"))
     return sorted(out, reverse=True)

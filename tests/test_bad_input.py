@@ -9,7 +9,6 @@ import torch
 
 import autopar
 from autopar.examples.gpt import GPT, example_inputs
-from autopar.launch import RankError, spawn
 import pool
 from parity import BATCH, SEQ, TINY, make_model
 
@@ -96,9 +95,12 @@ def _wrong_world(rank, world):
     autopar.parallelize(make_model(), (1, 1, 4), (idx, tgt), compile=False)
 
 
+WRONG_WORLD = pool.job(2, _wrong_world, timeout=120)
+
+
 def test_mesh_not_matching_world_size():
-    with pytest.raises(RankError, match=r"mesh \(dp=1, pp=1, tp=4\) needs 4 ranks but the world has 2"):
-        spawn(_wrong_world, 2, timeout=120)
+    with pytest.raises(pool.JobError, match=r"mesh \(dp=1, pp=1, tp=4\) needs 4 ranks but the world has 2"):
+        WRONG_WORLD.result()
 
 
 def _padded_vocab(rank, world, cfg):

@@ -9,15 +9,22 @@ import pytest
 import autopar
 from autopar.examples.gpt import build, example_inputs
 
-# rank, mesh, microbatches, zero ("3 k5": 5 units kept gathered), recompute ("auto 12": regions), offload,
+# rank, mesh (dp or HSDP's "r x s", pp, tp), microbatches, zero ("3 k5": 5 units kept gathered),
+# recompute ("auto 12": regions), offload,
 # step ms, its terms (compute, tp, pp, dp, bubble, update), peak GiB, fits
-ROW = re.compile(r"^\s*\d+\s+\((\d+), (\d+), (\d+)\)\s+(\d+)\s+(\d(?: k\d+)?)\s+(none|selective|full|auto \d+)"
+ROW = re.compile(r"^\s*\d+\s+\((\d+(?:x\d+)?), (\d+), (\d+)\)\s+(\d+)\s+(\d(?: k\d+)?)\s+(none|selective|full|auto \d+)"
                  r"\s+(none|optimizer)\s+([\d.]+)((?:\s+-?[\d.]+){6})\s+([\d.]+)\s+(yes|no)$")
+
+
+def _dp(text: str) -> int:
+    """A row's dp: "16", or an HSDP split "2x8" (dp_replicate x dp_shard)."""
+    r, _, s = text.partition("x")
+    return int(r) * int(s or 1)
 
 
 def _rows(note: str):
     """(mesh, microbatches, step ms, peak GiB) per ranked row, as printed."""
-    return [((int(m[1]), int(m[2]), int(m[3])), int(m[4]), m[8], m[10])
+    return [((_dp(m[1]), int(m[2]), int(m[3])), int(m[4]), m[8], m[10])
             for m in map(ROW.match, note.splitlines()) if m]
 
 
@@ -107,3 +114,22 @@ def test_no_mesh_fits_names_the_smallest_peak_and_what_to_change():
     # the smallest peak is the least of the ranked rows' (the table follows the message)
     rows = [float(m[10]) for m in map(ROW.match, text.splitlines()) if m]
     assert rows and float(peaks[0][0]) == pytest.approx(min(rows), abs=6e-3)
+
+
+HSDP_ROW = re.compile(r"^\s*\d+\s+\((\d+)x(\d+), (\d+), (\d+)\)\s+(\d+)\s+(\d(?: k\d+)?)\s+(none|selective|full|auto \d+)"
+                      r"\s+(none|optimizer)\s+([\d.]+)((?:\s+-?[\d.]+){6})\s+([\d.]+)\s+(yes|no)$")
+
+
+def test_a_dp_across_nodes_is_ranked_split_as_hsdp_too():
+    model, inputs = _gpt2()
+    chosen = autopar.plan(model, "auto", inputs, world_size=16, zero="auto", gpus_per_node=8)
+    rows = [m for m in map(HSDP_ROW.match, _table(chosen).splitlines()) if m]
+    # dp_shard = the dp ranks of one node: (16,1,1) -> 2 x 8, (8,1,2) -> 2 x 4, (4,2,2) -> 2 x 2
+    assert {(int(m[1]), int(m[2]), int(m[3]), int(m[4])) for m in rows} >= {(2, 8, 1, 1), (2, 4, 1, 2)}
+    r, s, pp, tp, mb, zero = (int(rows[0][k]) for k in range(1, 7))
+    mesh = {"dp_replicate": r, "dp_shard": s, "pp": pp, "tp": tp}
+    alone = autopar.plan(model, mesh, inputs, zero=zero, microbatches=mb, gpus_per_node=8)
+    assert (rows[0][9], rows[0][11]) == _printed(alone)   # the row is the plan of its HSDP mesh
+    # without ZeRO nothing shards over dp_shard: no split is ranked
+    plain = autopar.plan(model, "auto", inputs, world_size=16, zero=0, gpus_per_node=8)
+    assert not any(map(HSDP_ROW.match, _table(plain).splitlines()))

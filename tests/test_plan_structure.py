@@ -102,27 +102,3 @@ def test_collectives_in_compiled_graphs(sp, budget):
         # (Megatron's storage rule: 2 more all-gathers).
         regathers = 2 if budget else 0
         assert layer["bwd"] == {"all_gather": 2 + regathers, "reduce_scatter": 2, "all_reduce": 6}
-
-
-def _inductor_run(rank, world, path):
-    import os
-
-    from parity import parallel_run
-    # a cold cache: Inductor really compiles; one for both ranks, so that a kernel both ranks
-    # need is built once (Inductor locks it while one builds it, and the other loads it)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(path, "inductor")
-    return parallel_run(rank, world, (1, 1, 2), dict(plan="megatron", sequence_parallel=True, compile=True))
-
-
-INDUCTOR = pool.job(2, _inductor_run, timeout=600, workdir=True)
-
-
-def test_inductor_two_ranks():
-    """compile=True lowers each rank's graph through Inductor (C++ on CPU) and keeps parity."""
-    from parity import reference
-    ref_loss, ref_grads, _ = reference()
-    results = INDUCTOR.result()
-    for loss, grads, _, _ in results:
-        assert loss == pytest.approx(ref_loss, rel=1e-5)
-        for name, g in ref_grads.items():
-            torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5)

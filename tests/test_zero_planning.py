@@ -184,3 +184,44 @@ def test_pipeline_stages_keep_what_fits_too():
     assert [s.modules for s in part.stages] == [s.modules for s in none.stages]   # the cut stays
     again = autopar.plan(model, mesh, x, device="h100", plan=dataclasses.replace(part, notes=()))
     assert again.diff(part) == "no differences"
+
+
+def test_the_mesh_search_skips_only_zero_stages_that_cannot_be_chosen(monkeypatch):
+    """``_decide_zero(prune=True)`` skips a stage only when its floors lose: the Decision it keeps is the one
+    planning every stage keeps, field for field, and each stage's floors are below its plan's figures."""
+    from autopar.mesh import Mesh
+    from autopar.planner import decide as d
+
+    model = build("gpt2", device="meta", n_layer=4)
+    inputs = example_inputs(model.config, 16, 1024, device="meta")
+    captures = {}
+
+    def capture(x):
+        key = tuple(t.shape for t in x)
+        if key not in captures:
+            captures[key] = d.capture_pass(model, x, require_loss=True)
+        return captures[key]
+    knobs = dict(plan="auto", sequence_parallel="auto", schedule="1F1B", gpus_per_node=8, stages=None,
+                 virtual_stages=None, recompute="auto", precision="bf16", capture=capture, offload="none",
+                 keep_gathered="auto")
+    planned = []
+    decide_one = d._decide
+    monkeypatch.setattr(d, "_decide", lambda *a, **k: planned.append(k["zero"]) or decide_one(*a, **k))
+    skipped = 0
+    for mesh, m, budget in ((Mesh(16, 1, 1), 1, 2**29), (Mesh(8, 2, 1), 2, 2**29), (Mesh(4, 4, 1), 4, 80 * 2**30)):
+        kw = dict(microbatches=m, memory_budget=budget, device="h100", **knobs)
+        full = d._decide_zero(model, mesh, inputs, zero="auto", **kw)
+        planned.clear()
+        pruned = d._decide_zero(model, mesh, inputs, zero="auto", prune=True, **kw)
+        skipped += 4 - len(planned)
+        assert pruned.fields["zero"] == full.fields["zero"], mesh
+        assert (pruned.step_time, pruned.peak_memory) == (full.step_time, full.peak_memory), mesh
+        floors = d._zero_floors(mesh, inputs, choices=(0, 1, 2, 3), device="h100", **{**knobs, "microbatches": m})
+        for z in (0, 1, 2, 3):
+            try:
+                one = d._decide(model, mesh, inputs, zero=z, memory_budget=budget, device="h100", microbatches=m,
+                                **knobs)
+            except ValueError:   # no plan at this stage (no cut within the budget)
+                continue
+            assert floors[z][0] <= one.peak_memory and floors[z][1] <= one.step_time, (mesh, z)
+    assert skipped > 0   # the floors did skip stages here

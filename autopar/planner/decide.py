@@ -6,6 +6,7 @@ from ``cost_model``; the searches are the modules beside this one.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +18,14 @@ import torch
 from autopar.cost_model import get_device
 from autopar.cost_model.memory import kept_gathered_bytes
 from autopar.cost_model.stages import (SCHEDULES, pipeline_split, rank_param_bytes, state_bytes_per_param_byte,
-                                       unit_costs)
+                                       state_floor, unit_costs)
 from autopar.cost_model.strategy import OP_OVERHEAD
 from autopar.cost_model.step import (dp_sync_time, param_byte_time, plan_update_time, rank_unit_figures, rank_units,
-                                     rank_update_time, step_time, unit_sync_times)
+                                     rank_update_time, step_time, unit_sync_times, zero_sync_floor)
 from autopar.errors import PlanError, PlanFormatError
 from autopar.mesh import Mesh
+from autopar.passes.context_parallel import check_context
+from autopar.cost_model.context import context_priced
 from autopar.passes.capture import Captured, capture_pass
 from autopar.passes.precision import compute_dtype, retyped, working_copy_ratio
 from autopar.passes.units import layer_units, stage_of_nodes, zero_units
@@ -146,15 +149,16 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
                  schedule=schedule, zero=zero, device=device, gpus_per_node=gpus_per_node, stages=stages,
                  virtual_stages=virtual_stages, recompute=recompute, precision=precision, capture=capture,
                  offload=offload, keep_gathered=_keep_knob(keep_gathered))
-    planned: dict = {}
     if isinstance(mesh, str) and mesh == "auto":
-        def price(candidate: Mesh, m: int) -> Decision:   # the candidate's plan, as it is made below
+        def price(candidate: Mesh, m: int) -> Decision:
+            # the candidate's plan as it is made below, but for the ZeRO stages it cannot choose (``_decide_zero``'s
+            # bounds), which only the winner's notes list: the winner is planned again, in full, below
             check_knobs(candidate, recompute, schedule, zero, sequence_parallel, offload)
-            planned[(candidate, m)] = _decide_offload(model, candidate, example_inputs, microbatches=m, **knobs)
-            return planned[(candidate, m)]
+            return _decide_offload(model, candidate, example_inputs, microbatches=m, prune=True, **knobs)
 
         budget = parse_bytes(memory_budget)
         mesh, microbatches, notes = _auto_mesh(example_inputs, world_size, price=price, capture=capture,
+                                               hsdp=zero == "auto" or zero in (1, 2, 3),   # ZeRO shards dp_shard
                                                gpus_per_node=gpus_per_node, default_budget=budget is None,
                                                device=get_device(device).name,
                                                searched=dict(zero=zero, offload=offload, recompute=recompute),
@@ -165,8 +169,7 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
     options = _microbatch_options(mesh, example_inputs[0].shape[0], schedule, microbatches)
     if isinstance(plan, Plan):
         options = [plan.microbatches]
-    best = (planned.get((mesh, max(options)))
-            or _decide_offload(model, mesh, example_inputs, microbatches=max(options), **knobs))
+    best = _decide_offload(model, mesh, example_inputs, microbatches=max(options), **knobs)
     if len(options) > 1:
         m = _best_microbatches(best, mesh, options, knobs)
         if m != best.fields["microbatches"]:
@@ -337,18 +340,21 @@ def _view(fields: dict) -> SimpleNamespace:
     return SimpleNamespace(**{**defaults, **fields})
 
 
-def _decide_offload(model, mesh, example_inputs, *, offload, memory_budget, device, **knobs) -> Decision:
+def _decide_offload(model, mesh, example_inputs, *, offload, memory_budget, device, prune: bool = False,
+                    **knobs) -> Decision:
     """``_decide_zero`` at ``offload``; for offload="auto", with the optimizer on the device and on
     the host, keeping the host ("optimizer") only when the plan misses the memory budget (the
     device's memory by default) without it and fits with it, else "none" (the one with the least
-    peak when neither fits); the choice is said in the plan's notes. A given plan keeps its own choice."""
+    peak when neither fits); the choice is said in the plan's notes. A given plan keeps its own choice.
+    ``prune``: as ``_decide_zero``'s."""
     if offload != "auto" or isinstance(knobs["plan"], Plan):
         return _decide_zero(model, mesh, example_inputs, offload="none" if offload == "auto" else offload,
-                            memory_budget=memory_budget, device=device, **knobs)
+                            memory_budget=memory_budget, device=device, prune=prune, **knobs)
     limit = _limit(memory_budget, device)
     # a choice fails with no plan within the budget, offload not possible here or not priced on this device
     tried, failed = _each_choice(OFFLOADS, lambda where: _decide_zero(
-        model, mesh, example_inputs, offload=where, memory_budget=memory_budget, device=device, **knobs), blame="none")
+        model, mesh, example_inputs, offload=where, memory_budget=memory_budget, device=device, prune=prune, **knobs),
+        blame="none")
     fits = {where: d.peak_memory <= limit for where, d in tried.items()}
     chosen = "optimizer" if not fits.get("none") and fits.get("optimizer") else "none"
     if not any(fits.values()):   # the least memory, for the error that names it (``no_fit_error``)
@@ -370,31 +376,64 @@ def _limit(memory_budget, device) -> float:
     return get_device(device).memory_bytes if budget is None else budget
 
 
-def _each_choice(choices, decide_at, *, blame=None) -> tuple[dict, dict]:
+def _each_choice(choices, decide_at, *, blame=None, quiet: bool = False) -> tuple[dict, dict]:
     """({choice: Decision}, {choice: ValueError}) of ``decide_at(choice)`` for each choice, in order;
-    when none gives a plan, raises the error of ``blame`` (default: the last choice)."""
+    when none gives a plan, raises the error of ``blame`` (default: the last choice), unless ``quiet``."""
     tried, failed = {}, {}
     for c in choices:
         try:
             tried[c] = decide_at(c)
         except ValueError as e:
             failed[c] = e
-    if not tried:
+    if not tried and not quiet and choices:
         raise failed[choices[-1] if blame is None else blame]
     return tried, failed
 
 
-def _decide_zero(model, mesh, example_inputs, *, zero, memory_budget, device, **knobs) -> Decision:
+def _decide_zero(model, mesh, example_inputs, *, zero, memory_budget, device, prune: bool = False,
+                 **knobs) -> Decision:
     """``_decide`` at ``zero``; for zero="auto", at every ZeRO stage dp can shard, keeping the fastest
     that fits the memory budget (the device's memory by default), else the one with the least peak.
-    A given plan keeps its own stage."""
+    A given plan keeps its own stage.
+
+    ``prune`` (the mesh ranking, which plans its winner again without it): a stage whose floors
+    (``_zero_floors``) show it cannot be chosen is not planned. Once a stage fits, a stage whose
+    peak floor is above the budget cannot fit, and one whose step floor exceeds the fastest fitting
+    stage's step cannot be the fastest: neither is kept, so the choice, and every figure of the
+    Decision returned, is the one planning every stage gives; only the note listing the stages
+    is shorter. When no planned stage fits, the skipped ones are planned too (the least peak is
+    kept then)."""
     if zero != "auto" or isinstance(knobs["plan"], Plan):
         return _decide(model, mesh, example_inputs, zero=0 if zero == "auto" else zero,
                        memory_budget=memory_budget, device=device, **knobs)
     limit = _limit(memory_budget, device)
-    # a stage fails with no plan within the budget (the ILP's, the stage DP's)
-    tried, _ = _each_choice((0, 1, 2, 3) if mesh.dp_shard > 1 else (0,), lambda z: _decide(
-        model, mesh, example_inputs, zero=z, memory_budget=memory_budget, device=device, **knobs))
+    stages = (0, 1, 2, 3) if mesh.dp_shard > 1 else (0,)
+
+    def decide_at(z):
+        return _decide(model, mesh, example_inputs, zero=z, memory_budget=memory_budget, device=device, **knobs)
+    floors = _zero_floors(mesh, example_inputs, choices=stages, device=device, **knobs) if prune else None
+    if floors is None:
+        # a stage fails with no plan within the budget (the ILP's, the stage DP's)
+        tried, _ = _each_choice(stages, decide_at)
+    else:
+        tried, failed, skipped = {}, {}, []
+        # the stages that may fit first, so that a fit is known before the others are weighed
+        for z in sorted(stages, key=lambda z: floors[z][0] > limit):
+            peak_floor, step_floor = floors[z]
+            fastest = min((d.step_time for d in tried.values() if d.peak_memory <= limit), default=None)
+            if fastest is not None and (peak_floor > limit or step_floor > fastest):
+                skipped.append(z)
+                continue
+            one, bad = _each_choice([z], decide_at, quiet=True)
+            tried.update(one)
+            failed.update(bad)
+        if not any(d.peak_memory <= limit for d in tried.values()):
+            one, bad = _each_choice(skipped, decide_at, quiet=True)
+            tried.update(one)
+            failed.update(bad)
+        if not tried:
+            raise failed[stages[-1]]   # as planning every stage raises
+        tried = {z: tried[z] for z in stages if z in tried}
     tried = list(tried.values())
     fits = [d for d in tried if d.peak_memory <= limit]
     best = min(fits, key=lambda d: d.step_time) if fits else min(tried, key=lambda d: d.peak_memory)
@@ -407,6 +446,32 @@ def _decide_zero(model, mesh, example_inputs, *, zero, memory_budget, device, **
     return best
 
 
+def _zero_floors(mesh, example_inputs, *, choices, device, plan, microbatches, capture, precision, gpus_per_node,
+                 schedule, virtual_stages, offload, **_) -> dict | None:
+    """Per ZeRO stage, floors of its plan's peak bytes and step seconds that hold for any strategies
+    and stage cut (``cost_model.stages.state_floor``, ``cost_model.step.zero_sync_floor``; 0 where no
+    step floor is priced), for ``_decide_zero`` to skip the stages that cannot be chosen; None where
+    these floors are not derived (the optimizer offloaded, a given plan, context parallelism, whose
+    prices are scaled after the plan is made), and nothing is skipped.
+    Both are lowered by a relative 1e-9, so that rounding in the plans' own sums cannot cross them."""
+    if offload != "none" or isinstance(plan, Plan) or mesh.cp > 1:
+        return None
+    cap = retyped(capture(_local_inputs(example_inputs, mesh, microbatches)), precision)
+    full = sum(math.prod(p.meta["val"].shape) * p.meta["val"].element_size() for p in cap.params.values())
+    working_copy = working_copy_ratio(cap)
+    dev = get_device(device)
+    n_stages = mesh.pp * _virtual(schedule, virtual_stages) if mesh.pp > 1 else 1
+    shard = full / mesh.tp   # every parameter's local shard holds at least 1/tp of it
+    slack = 1 - 1e-9
+    out = {}
+    for z in choices:
+        step = zero_sync_floor(shard / mesh.pp, mesh, dev, z, gpus_per_node, microbatches=microbatches,
+                               gathered=working_copy or 1.0)
+        out[z] = (state_floor(shard, mesh, z, working_copy, microbatches, n_stages) * slack,
+                  0.0 if step is None else step * slack)
+    return out
+
+
 def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budget, schedule, microbatches,
             zero, device, gpus_per_node, stages, virtual_stages, recompute, precision, capture, offload,
             keep_gathered="auto") -> Decision:
@@ -415,6 +480,7 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
     dev = get_device(device)
     cap = capture(_local_inputs(example_inputs, mesh, m))
     check_tp(cap, mesh.tp)
+    check_context(cap, mesh.cp)
     if isinstance(plan, str) and plan not in ("auto", "megatron"):
         if not plan.lstrip().startswith("{") and not Path(plan).exists():
             raise ValueError(f"plan={plan!r}: expected 'auto', 'megatron', a Plan or a plan JSON path")
@@ -489,6 +555,7 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
                                                                 offload=offload, kept=choice.kept))
         kept = choice.kept
         notes += (_kept_note(choice, len(zero_units(cap)), limit, budget is None, dev),)
+    fields = context_priced(fields, mesh.cp, mesh.tp, dev, gpus_per_node)   # priced whole, run on 1/cp of it
     if given is not None:   # a plan read back unchanged (parallelize broadcasts JSON) keeps its source
         fields["source"] = given.source if given.derives_as(_view(fields)) else edited_source(given.source)
     terms = fields.pop("step_terms")
@@ -626,7 +693,10 @@ def _stage_nodes(cap, fields: dict) -> list[list]:
     if not stages:
         return [calls]
     where = stage_of_nodes(cap, SimpleNamespace(stages=stages))
-    return [[n for n in calls if where.get(n.name, len(stages) - 1) == s] for s in range(len(stages))]
+    out = [[] for _ in stages]
+    for n in calls:
+        out[where.get(n.name, len(stages) - 1)].append(n)
+    return out
 
 
 def _memory_fields(cap, strategies, mesh, dev, fields: dict, *, recompute: str, budget, zero: int,

@@ -8,6 +8,11 @@ plan's predicted step time (``cost_model.step.step_time``) and peak memory
 the zero stage, recompute and offload its plan chose and the step's terms as its plan added them
 up (``Decision.terms``: compute, tp / pp / dp exposed communication, bubble, update), and a last
 line says why the winner won. tp stays inside a node.
+
+With ``hsdp`` (ZeRO may shard, zero >= 1 or "auto"), a dp that spans several nodes is also ranked
+split as HSDP: dp_shard = the dp ranks of one node (gpus_per_node / (pp * tp), at least 2) and
+dp_replicate = dp / dp_shard, so that the sharded collectives stay inside a node and only the
+replicas' all-reduce crosses nodes; its row names the mesh (r x s, pp, tp).
 """
 from __future__ import annotations
 
@@ -43,8 +48,27 @@ class MeshOption:
 TERMS = ("compute", "tp", "pp", "dp", "bubble", "update")
 
 
+def hsdp_split(mesh: Mesh, gpus_per_node: int) -> Mesh | None:
+    """``mesh`` with its dp split as HSDP (module docstring): dp_shard the dp ranks inside one node,
+    dp_replicate the rest; None when dp fits in a node or a node holds fewer than two of its ranks."""
+    inner = mesh.pp * mesh.tp
+    if gpus_per_node % inner or mesh.dp * inner <= gpus_per_node:
+        return None
+    shard = gpus_per_node // inner
+    if shard < 2 or mesh.dp % shard:
+        return None
+    return Mesh(mesh.dp, mesh.pp, mesh.tp, dp_replicate=mesh.dp // shard)
+
+
+def mesh_name(mesh: Mesh) -> str:
+    """A ranking row's mesh: (dp, pp, tp), with a split dp as (dp_replicate x dp_shard, pp, tp)."""
+    if mesh.split:
+        return f"({mesh.dp_replicate}x{mesh.dp_shard}, {mesh.pp}, {mesh.tp})"
+    return str((mesh.dp, mesh.pp, mesh.tp))
+
+
 def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budget: float,
-                gpus_per_node: int = 8, microbatch_size: int = 1) -> list[MeshOption]:
+                gpus_per_node: int = 8, microbatch_size: int = 1, hsdp: bool = False) -> list[MeshOption]:
     """Every (dp, pp, tp) with dp * pp * tp == world_size that the model and batch allow,
     fastest fitting mesh first.
 
@@ -53,7 +77,7 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
     ValueError saying why none fits (no stage cut, or no recompute choice, within the memory);
     ``capture(inputs)``: the model traced at one microbatch, for the checks a mesh must pass before
     it is planned (tp divides the heads, pp at most the layer units); ``memory_budget``: bytes per
-    device."""
+    device; ``hsdp``: also rank each multi-node dp split as HSDP (``hsdp_split``)."""
     batch = example_inputs[0].shape[0]
     cap = capture(tuple(x[:microbatch_size] for x in example_inputs))
     units = layer_units(cap)
@@ -70,17 +94,19 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
             m = batch // (dp * microbatch_size)
             if pp > 1 and m < pp:
                 continue
-            mesh = Mesh(dp, pp, tp)
-            try:
-                decision = price(mesh, m)
-            except ValueError as e:
-                out.append(MeshOption(mesh, m, math.inf, math.inf, False, str(e)))
-                continue
-            peak, f = decision.peak_memory, decision.fields
-            out.append(MeshOption(mesh, m, decision.step_time, peak, peak <= memory_budget, zero=f["zero"],
-                                  recompute=f["recompute"], recompute_regions=len(f["recompute_regions"]),
-                                  offload=f["offload"], kept_gathered=len(f.get("keep_gathered", ())),
-                                  terms=decision.terms))
+            plain = Mesh(dp, pp, tp)
+            split = hsdp_split(plain, gpus_per_node) if hsdp else None
+            for mesh in (plain, split) if split else (plain,):
+                try:
+                    decision = price(mesh, m)
+                except ValueError as e:
+                    out.append(MeshOption(mesh, m, math.inf, math.inf, False, str(e)))
+                    continue
+                peak, f = decision.peak_memory, decision.fields
+                out.append(MeshOption(mesh, m, decision.step_time, peak, peak <= memory_budget, zero=f["zero"],
+                                      recompute=f["recompute"], recompute_regions=len(f["recompute_regions"]),
+                                      offload=f["offload"], kept_gathered=len(f.get("keep_gathered", ())),
+                                      terms=decision.terms))
     if not out:
         raise PlanError(f"no (dp, pp, tp) for {world_size} devices suits this model and a batch of {batch}")
     return sorted(out, key=lambda o: (not o.fits, o.step_time, o.peak_memory))
@@ -108,7 +134,7 @@ def ranking_table(options: list[MeshOption], limit: int = 12) -> str:
         peak = f"{o.peak_memory / 2**30:9.3f}" if np.isfinite(o.peak_memory) else f"{'-':>9s}"
         terms = " ".join(f"{o.terms.get(t, 0.0) * 1e3:10.3f}" if o.terms else f"{'-':>10s}" for t in TERMS)
         zero, recompute, offload = _choices(o) if o.terms else ("-", "-", "-")
-        lines.append(f"{k + 1:4d}  {str((o.mesh.dp, o.mesh.pp, o.mesh.tp)):16s} {o.microbatches:12d} {zero:>5s} "
+        lines.append(f"{k + 1:4d}  {mesh_name(o.mesh):16s} {o.microbatches:12d} {zero:>5s} "
                      f"{recompute:>9s} {offload:>9s} {step} {terms} {peak}  {'yes' if o.fits else 'no'}")
     if len(options) > limit:
         lines.append(f"      ... and {len(options) - limit} more")
@@ -121,7 +147,7 @@ def ranking_table(options: list[MeshOption], limit: int = 12) -> str:
 def ranking_reason(options: list[MeshOption]) -> str:
     """One line: why the first of the ranked ``options`` won (or that none fits)."""
     def name(o):
-        return str((o.mesh.dp, o.mesh.pp, o.mesh.tp))
+        return mesh_name(o.mesh)
     best = options[0]
     if not best.fits:
         return "      no candidate fits the memory"

@@ -41,11 +41,11 @@ def memory_breakdown(cap, strategies, mesh, *, zero: int, regions, stage_nodes=N
     stage_nodes = stage_nodes or [[n for n in cap.gm.graph.nodes if n.op == "call_function"]]
     inflight = inflight or [1] * len(stage_nodes)
     out = []
+    working_copy = working_copy_ratio(cap)
     for s, nodes in enumerate(stage_nodes):
         params, grads, opt, act, excess = stage_terms(cap, strategies, mesh, nodes, regions, zero=zero,
-                                                      microbatches=microbatches,
-                                                      working_copy=working_copy_ratio(cap), offload=offload,
-                                                      kept=kept)
+                                                      microbatches=microbatches, working_copy=working_copy,
+                                                      offload=offload, kept=kept)
         transient = max([0.0] + [b for _, b in excess])
         act *= inflight[s]
         host = host_state(cap, strategies, mesh, nodes, zero) if offload else 0.0

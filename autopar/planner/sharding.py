@@ -27,6 +27,8 @@ import torch
 from torch.fx import Node
 
 from autopar.cost_model import axis_is_inter_node, node_flops
+from autopar.cost_model.memo import cached, strategies_of
+from autopar.cost_model.context import cp_collectives
 from autopar.cost_model.step import (dp_sync_bytes, dp_sync_collectives, dp_sync_time, flat_compute_time, tp_comm_time,
                                      zero_unit_figures)
 from autopar.cost_model.strategy import OP_OVERHEAD, move_time, param_memory, strategy_time, tp_collectives
@@ -122,7 +124,39 @@ def solve(cap: Captured, options: dict[Node, list[Strategy]], tp: int, dev, *,
     moves it (``tp_collectives``): those edges are priced as one shared group per producer.
     ``param_state_bytes``: bytes of parameter + gradient + optimizer state held per
     parameter byte, for the optional per-rank ``memory_budget``; ``param_byte_seconds``:
-    step time per byte of a parameter's local shard outside the ops (``param_byte_time``)."""
+    step time per byte of a parameter's local shard outside the ops (``param_byte_time``).
+
+    The problem's tables but the parameters' byte price are the same for every ZeRO stage and
+    mesh of one tp (``_problem``), and an ILP the same as one solved before has its answer
+    (``cost_model.memo``): the mesh search asks both many times."""
+    g = cap.gm.graph
+    problem = cached(g, ("ilp_problem", tp, inter_node), lambda: _problem(cap, options, tp, dev, inter_node),
+                     options, dev)
+
+    def run():
+        nodes, ids, rep, mult, base, param_bytes, edges, shared = problem
+        # an op's launch overhead is the same under every strategy: in the objective, so that it is the
+        # step time the plan is priced at, not in the choice
+        node_costs = [mult[n] * np.array([b + param_byte_seconds * m for b, m in zip(base[n], param_bytes[n])])
+                      for n in nodes]
+        memory = None
+        if memory_budget is not None:
+            memory = [mult[n] * np.array([m * param_state_bytes for m in param_bytes[n]]) for n in nodes]
+        t0 = time.perf_counter()
+        sol = solve_strategies(node_costs, edges, node_memory=memory, memory_budget=memory_budget, shared=shared)
+        seconds = time.perf_counter() - t0
+        return {n: options[n][sol.choice[ids[rep[n]]]] for n in options}, seconds, sol.objective
+
+    key = ("ilp", tp, inter_node, memory_budget, param_state_bytes if memory_budget is not None else None,
+           param_byte_seconds)
+    strategies, seconds, objective = cached(g, key, run, options, dev)
+    return Assignment(dict(strategies), options, seconds, objective)
+
+
+def _problem(cap: Captured, options, tp: int, dev, inter_node: bool):
+    """The ILP's tables for ``solve`` that do not depend on what a parameter byte costs: the nodes
+    solved (one per block twin), their ids, twins and multiplicities, per node and strategy its
+    time with the launch overhead and its parameter bytes, the edges and the shared groups."""
     g = cap.gm.graph
     rep: dict[Node, Node] = {n: n for n in options}
     # A block is charged to the first one whose nodes have the same options in the same order:
@@ -149,26 +183,15 @@ def solve(cap: Captured, options: dict[Node, list[Strategy]], tp: int, dev, *,
     masked = dict.fromkeys((rep[p], rep[c], slot) for p in shared_at for c, slot in fan_out[p])
     groups = Counter((rep[p], tuple((rep[c], slot) for c, slot in fan_out[p])) for p in shared_at)
 
-    # an op's launch overhead is the same under every strategy: in the objective, so that it is the
-    # step time the plan is priced at, not in the choice
-    node_costs = [mult[n] * np.array([strategy_time(n, s, tp, dev, inter_node)
-                                      + (OP_OVERHEAD if n.op == "call_function" else 0.0)
-                                      + param_byte_seconds * param_memory(n, s, tp, 1.0) for s in options[n]])
-                  for n in nodes]
-    memory = None
-    if memory_budget is not None:
-        memory = [mult[n] * np.array([param_memory(n, s, tp, param_state_bytes) for s in options[n]])
-                  for n in nodes]
+    base = {n: [strategy_time(n, s, tp, dev, inter_node) + (OP_OVERHEAD if n.op == "call_function" else 0.0)
+                for s in options[n]] for n in nodes}
+    param_bytes = {n: [param_memory(n, s, tp, 1.0) for s in options[n]] for n in nodes}
     edges = [(ids[p], ids[c], k * _edge_matrix(p, c, slot, options, tp, dev, inter_node))
              for (p, c, slot), k in uses.items()]
     edges += [(ids[p], ids[c], np.where(np.isinf(_edge_matrix(p, c, slot, options, tp, dev, inter_node)), np.inf, 0.0))
               for p, c, slot in masked if (p, c, slot) not in uses]
     shared = [_shared_group(p, members, k, ids, options, tp, dev, inter_node) for (p, members), k in groups.items()]
-    t0 = time.perf_counter()
-    sol = solve_strategies(node_costs, edges, node_memory=memory, memory_budget=memory_budget, shared=shared)
-    seconds = time.perf_counter() - t0
-    return Assignment({n: options[n][sol.choice[ids[rep[n]]]] for n in options},
-                      options, seconds, sol.objective)
+    return nodes, ids, rep, mult, base, param_bytes, edges, shared
 
 
 def _edge_matrix(producer: Node, consumer: Node, slot: int, options, tp, dev, inter_node) -> np.ndarray:
@@ -222,29 +245,21 @@ def sharding_fields(cap: Captured, assignment: Assignment, mesh, dev, *, sequenc
     and, as ``dp_units``, what its dp sync was priced from (parameter bytes, ZeRO-2/3's per-unit
     figures and the units' names). ``kept``: ZeRO-3's units kept gathered (names), whose backward
     re-gather is not issued."""
-    from autopar.plans import CollectivePlan, NodePlan, ParamPlan, dp_placements
+    from autopar.plans import CollectivePlan, ParamPlan, dp_placements
 
     strategies = assignment.strategies
     tp, dp = mesh.tp, mesh.dp
     tp_inter = axis_is_inter_node(tp, 1, gpus_per_node)
-    params, local_bytes = [], 0.0
-    for fqn, node in cap.params.items():
-        pl = strategies[node].output
-        full = shape(node)
-        loc = local_shape(full, pl, tp)
-        local_bytes += float(np.prod(loc)) * node.meta["val"].element_size()
-        params.append(ParamPlan(fqn, full, {**dp_placements(mesh, zero), "tp": str(pl)},
-                                loc, tuple(cap.aliases.get(fqn, ()))))
-    nodes = tuple(NodePlan(n.name, _op_name(n), n.meta.get("module_path", ""),
-                           tuple(map(str, strategies[n].inputs)), str(strategies[n].output),
-                           strategies[n].local, strategies[n].regather)
-                  for n in cap.gm.graph.nodes if n.op == "call_function")
+    laid, local_bytes, nodes, tp_bytes = _laid_out(cap, strategies, tp)
+    params = [ParamPlan(fqn, full, {**dp_placements(mesh, zero), "tp": pl}, loc, aliases)
+              for fqn, full, pl, loc, aliases in laid]
     m = microbatches
     agg: dict[tuple, list] = {}
-    for phase, kind, where, nbytes, _ in tp_collectives(cap, strategies, tp) if tp > 1 else []:
-        a = agg.setdefault((kind, "tp", phase, where), [0, 0.0])
-        a[0] += m
-        a[1] += nbytes * m
+    for key, sizes in tp_bytes.items():   # summed as one pass over the collectives would sum them
+        a = agg[key] = [0, 0.0]
+        for nbytes in sizes:
+            a[0] += m
+            a[1] += nbytes * m
     tp_comm = tp_comm_time([(k, n, b) for (k, _, _, _), (n, b) in agg.items()], tp, dev, tp_inter)
     gathered = working_copy_ratio(cap) or 1.0   # ZeRO-2/3 gather the weights at the compute dtype
     times = m if zero >= 2 else 1
@@ -261,14 +276,52 @@ def sharding_fields(cap: Captured, assignment: Assignment, mesh, dev, *, sequenc
     dp_comm = dp_sync_time(local_bytes, mesh, dev, zero, gpus_per_node, microbatches=m, gathered=gathered,
                            units=units, kept=positions)
     compute = flat_compute_time(strategies, tp, dev, tp_inter, m)
+    for kind, axis, phase, where, n, b in cp_collectives(cap, strategies, mesh.cp, tp, m, local_bytes, zero, mesh.dp_shard):
+        a = agg.setdefault((kind, axis, phase, where), [0, 0.0])
+        a[0] += n
+        a[1] += b
     colls = tuple(CollectivePlan(k, axis, ph, w, n, int(b)) for (k, axis, ph, w), (n, b) in agg.items())
     input_shapes = tuple(shape(i) for i in cap.inputs)
-    model_flops = m * mesh.dp * sum(sum(node_flops(n)) for n in cap.gm.graph.nodes if n.op == "call_function")
-    return dict(mesh=(mesh.dp, mesh.pp, mesh.tp), dp_replicate=mesh.dp_replicate, input_shapes=input_shapes, sequence_parallel=bool(sequence_parallel),
+    model_flops = m * mesh.dp * _graph_flops(cap)
+    return dict(mesh=(mesh.dp, mesh.pp, mesh.tp), dp_replicate=mesh.dp_replicate, cp=mesh.cp, input_shapes=input_shapes, sequence_parallel=bool(sequence_parallel),
                 zero=zero, microbatches=m, device=dev.name, parameters=tuple(params), nodes=nodes, collectives=colls,
                 predicted_compute_s=compute, predicted_comm_s=tp_comm + dp_comm, solve_seconds=assignment.solve_seconds,
                 source=source, model_flops=model_flops, step_terms=dict(compute=compute, tp=tp_comm, dp=dp_comm),
                 dp_units=(local_bytes, units, names))
+
+
+def _laid_out(cap: Captured, strategies: dict, tp: int):
+    """What ``sharding_fields`` reads off the strategies alone, once per graph, tp and strategies
+    (``cost_model.memo``): per parameter (FQN, shape, tp placement, local shape, aliases), their
+    local bytes, the NodePlans, and the bytes of each tp collective grouped by (kind, axis, phase,
+    where) in the order they are emitted."""
+    from autopar.plans import NodePlan
+
+    def compute():
+        laid, local_bytes = [], 0.0
+        for fqn, node in cap.params.items():
+            pl = strategies[node].output
+            full = shape(node)
+            loc = local_shape(full, pl, tp)
+            local_bytes += float(np.prod(loc)) * node.meta["val"].element_size()
+            laid.append((fqn, full, str(pl), loc, tuple(cap.aliases.get(fqn, ()))))
+        nodes = tuple(NodePlan(n.name, _op_name(n), n.meta.get("module_path", ""),
+                               tuple(map(str, strategies[n].inputs)), str(strategies[n].output),
+                               strategies[n].local, strategies[n].regather)
+                      for n in cap.gm.graph.nodes if n.op == "call_function")
+        tp_bytes: dict[tuple, list] = {}
+        for phase, kind, where, nbytes, _ in tp_collectives(cap, strategies, tp) if tp > 1 else []:
+            tp_bytes.setdefault((kind, "tp", phase, where), []).append(nbytes)
+        return laid, local_bytes, nodes, tp_bytes
+    g = cap.gm.graph
+    nodes = tuple(g.nodes)
+    return cached(g, ("laid_out", tp, nodes), compute, *strategies_of(strategies, nodes))
+
+
+@graph_cached
+def _graph_flops(cap: Captured) -> float:
+    """The FLOPs of one microbatch's forward and backward over every op of the graph."""
+    return sum(sum(node_flops(n)) for n in cap.gm.graph.nodes if n.op == "call_function")
 
 
 def strategies_from_plan(cap: Captured, options: dict[Node, list[Strategy]], plan) -> dict[Node, Strategy]:

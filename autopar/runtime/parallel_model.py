@@ -11,8 +11,9 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar import collectives as C
-from autopar.mesh import default_device_type, group_name, split_dp_groups
+from autopar.mesh import axes_group, default_device_type, group_name, split_dp_groups
 from autopar.overlap import RegatherInBackward
+from autopar.passes.context_parallel import check_sequence, cp_cuts, cp_pass, local_strategies
 from autopar.passes.driver import rank_prefix, run_passes
 from autopar.passes.precision import precision_pass
 from autopar.passes.recompute import recompute_pass
@@ -44,8 +45,8 @@ class ParallelModel:
     where its weights are not whole (tp or pp > 1: calling it raises); build a fresh model
     and load ``full_state_dict()`` for an unsharded copy.
 
-    Gradients after ``train_step`` are averaged over dp and complete (no partial sums) on every
-    rank, and any torch optimizer over ``parameters()`` is correct, except where the gradients
+    Gradients after ``train_step`` are averaged over dp (and cp, whose ranks see other tokens of
+    the same sequences with the same weights) and complete (no partial sums) on every rank, and any torch optimizer over ``parameters()`` is correct, except where the gradients
     do not live on the parameters: with ``zero=1`` (they are reduce-scattered into the dp shard
     that ``optimizer(...)`` steps) and once ``optimizer(MasterAdamW)`` is built (they stay on
     the bf16 working copies). There any other optimizer stepping these parameters raises at its
@@ -74,12 +75,21 @@ class ParallelModel:
         self.coords = mesh.coords(dist.get_rank())
         self._tp_group = group_name(dmesh, "tp")
         self._dp_group = group_name(dmesh, "dp")
+        # cp ranks see other tokens with the same weights: gradients and the loss are averaged over
+        # dp x cp (the "data" ranks), and ZeRO treats cp as more replicas of its dp shards
+        self._cp_group = group_name(dmesh, "cp") if mesh.cp > 1 else None
+        self._data_group = (self._dp_group if mesh.cp == 1 else self._cp_group if mesh.dp == 1
+                            else axes_group(mesh, ("dp", "cp")))
         # ZeRO splits its state over dp_shard: all of dp, unless dp is split (HSDP), where each
         # replica holds the same shards and the sharded gradients are all-reduced across dp_replicate
         self._shard_group, self._replicate_group = self._dp_group, None
         if plan.zero and mesh.split:
             self._shard_group, self._replicate_group = split_dp_groups(mesh, default_device_type())
-        across = dict(replicate=self._replicate_group, replicas=mesh.dp_replicate if self._replicate_group else 1)
+        replicas = mesh.dp_replicate if self._replicate_group else 1
+        if plan.zero and mesh.cp > 1:   # the same shards on every cp rank (and replica): reduced across them
+            self._replicate_group = axes_group(mesh, ("dp_replicate", "cp")) if mesh.split else self._cp_group
+            replicas *= mesh.cp
+        across = dict(replicate=self._replicate_group, replicas=replicas)
         # this rank's program: the passes carrying the plan out, run by the pass driver on the
         # capture (which they leave as it is: the planner's graph); with pp > 1 the pipeline then
         # splits the result into its stages (pipeline_split_pass, the one step that makes several graphs)
@@ -88,6 +98,15 @@ class ParallelModel:
         if any(n.meta["val"].device != self._device for n in cap.gm.graph.nodes
                if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)):
             steps.append((device_pass, dict(device=self._device)))   # captured on meta or another device
+        start, self.pass_seconds, cuts = cap.gm, [], {}
+        if mesh.cp > 1:
+            check_sequence(plan.input_shapes[0][1], mesh.cp, mesh.tp, plan.sequence_parallel)
+            # first, in a run of its own: the tp rewrite then sees the local sequence's shapes, on
+            # nodes the planner's strategies are handed to by name (``local_strategies``)
+            steps.append((cp_pass, dict(size=mesh.cp, rank=self.coords["cp"], group=self._cp_group,
+                                        seq=plan.input_shapes[0][1])))
+            start, self.pass_seconds = run_passes(cap.gm, steps, prefix=rank_prefix("cp"))
+            strategies, steps, cuts = local_strategies(start, strategies), [], cp_cuts(start)
         if mesh.tp > 1:
             steps.append((shard_pass, dict(strategies=strategies, size=mesh.tp, rank=self.coords["tp"],
                                            group=self._tp_group)))
@@ -120,11 +139,12 @@ class ParallelModel:
             floats = {n.name for n in cap.gm.graph.nodes if n.op == "placeholder" and is_float(n)
                       and ((in_graph and not self._fsdp) or n.meta.get("kind") != "param")}
             steps.append((precision_pass, dict(precision=plan.precision, floats=floats,
-                                               stage_of=self._stage_of(cap, plan, units, gathers))))
+                                               stage_of=self._stage_of(cap, plan, units, gathers, cuts))))
         if plan.recompute_regions:
             steps.append((recompute_pass, dict(regions=[set(r) for r in plan.recompute_regions])))
         # (pass name, seconds) per pass; AUTOPAR_DUMP=DIR writes each graph before and after it
-        gm, self.pass_seconds = run_passes(cap.gm, steps, prefix=rank_prefix())
+        gm, seconds = run_passes(start, steps, prefix=rank_prefix())
+        self.pass_seconds += seconds
         self.graph_module = gm
         self._placement = {p.fqn: parse_placement(p.placements["tp"]) for p in plan.parameters}
         self._aliases = {p.fqn: p.aliases for p in plan.parameters}
@@ -150,7 +170,7 @@ class ParallelModel:
         self.step_skipped = False
         self._pipeline = None
         if mesh.pp > 1:
-            self._pipeline = Pipeline(gm, self._stage_of(cap, plan, units, gathers), plan, dmesh,
+            self._pipeline = Pipeline(gm, self._stage_of(cap, plan, units, gathers, cuts), plan, dmesh,
                                       rank=self.coords["pp"], materialize=materialize,
                                       buffers=self._buffers, device=self._device, prepare=self._casts,
                                       loss_scale=lambda: self.loss_scale, wrap=lambda g: lower(g, compile, regather=plan.zero == 3))
@@ -185,13 +205,15 @@ class ParallelModel:
             model.register_forward_pre_hook(_refuse_unsharded_call)
 
     @staticmethod
-    def _stage_of(cap, plan, units, gathers) -> dict[str, int] | None:
-        """Global node name -> pipeline stage (None without stages), ZeRO's gathers with their units."""
+    def _stage_of(cap, plan, units, gathers, cuts) -> dict[str, int] | None:
+        """Global node name -> pipeline stage (None without stages), ZeRO's gathers with their units,
+        cp's cuts (``cuts``: name -> the first node using it) with the node they feed."""
         if plan.mesh[1] == 1:
             return None
         where = stage_of_nodes(cap, plan)
         for k, fqns in (gathers or {}).items():
             where.update({gather_name(k, f): where.get(units[k][0], len(plan.stages) - 1) for f in fqns})
+        where.update({cut: where.get(user, len(plan.stages) - 1) for cut, user in cuts.items()})
         return where
 
     # ---- parameters ----------------------------------------------------------------------
@@ -310,6 +332,8 @@ class ParallelModel:
         the full batch's mean loss when every microbatch has the same token count)."""
         m = self.plan.microbatches
         inputs = [self._dp_slice(x) for x in inputs]
+        if self.mesh.cp > 1:
+            self._check_sequence(inputs)
         if self._master is not None and (self._master.reduced is not None or self._master.grads()):
             raise RuntimeError("MasterAdamW's gradients do not add up across train_step calls (they would "
                                "in bf16): call opt.zero_grad() before each train_step, or use microbatches "
@@ -321,18 +345,18 @@ class ParallelModel:
                 total = self._pipeline.step(dict(zip(self._input_names, inputs)))
             else:
                 total = self._microbatches(inputs, m)
-        if self.mesh.dp > 1:
-            total = C.all_reduce(total, self._dp_group) / self.mesh.dp
+        if self.mesh.data > 1:   # each cp rank's loss is its share times cp (passes.context_parallel)
+            total = C.all_reduce(total, self._data_group) / self.mesh.data
         # (ZeRO-2/3: the gathers' backward already left every shard its dp-mean gradient)
         if self._zero is not None:   # at dp=1 too: the optimizer steps the slice, which only this fills
             self._zero.reduce_scatter_grads()
-        elif self.mesh.dp > 1 and self._master is not None:
+        elif self.mesh.data > 1 and self._master is not None:
             grads = self._master.grads()
-            self._master.use_reduced(dict(zip(grads, _all_reduce_mean(list(grads.values()), self._dp_group,
-                                                                       self.mesh.dp))))
-        elif self.mesh.dp > 1 and not self._fsdp:
+            self._master.use_reduced(dict(zip(grads, _all_reduce_mean(list(grads.values()), self._data_group,
+                                                                       self.mesh.data))))
+        elif self.mesh.data > 1 and not self._fsdp:
             grads = [p.grad for p in self.parameters() if p.grad is not None]
-            for g, mean in zip(grads, _all_reduce_mean(grads, self._dp_group, self.mesh.dp)):
+            for g, mean in zip(grads, _all_reduce_mean(grads, self._data_group, self.mesh.data)):
                 g.copy_(mean)
         if self.loss_scaler is not None:
             self._unscale_grads()
@@ -354,6 +378,17 @@ class ParallelModel:
             (loss * self.loss_scale / m).backward()
             total = total + loss.detach() / m
         return total
+
+    def _check_sequence(self, inputs) -> None:
+        """Refuse a batch whose sequences are not the planned length: the rank's positions, chunks
+        and reshapes were fixed for it (``passes.context_parallel``), so its positions would be wrong."""
+        seq = self.plan.input_shapes[0][1]
+        for x in inputs:
+            if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] != seq:
+                raise ValueError(f"cp={self.mesh.cp}: the batch has sequences of {x.shape[1]} tokens but the plan "
+                                 f"was made for {seq}; each cp rank's positions and chunks are fixed by the example "
+                                 f"batch, so they would be wrong: parallelize with an example batch of the training "
+                                 f"sequence length")
 
     def _dp_slice(self, x):
         if not isinstance(x, torch.Tensor) or self.mesh.dp == 1:
@@ -420,11 +455,12 @@ class ParallelModel:
         return start, min(rows, start + c)
 
     def group(self, axis: str) -> str | None:
-        """The process group name this rank's collectives use on mesh axis ``axis``: "dp", "tp", and
-        ZeRO's "dp_shard" (the ranks its state is split over: all of dp unless dp is split) and
-        "dp_replicate" (a split dp's replicas, None otherwise)."""
+        """The process group name this rank's collectives use on mesh axis ``axis``: "dp", "tp", "cp"
+        (None without cp), and ZeRO's "dp_shard" (the ranks its state is split over: all of dp unless
+        dp is split) and "dp_replicate" (the ranks holding the same shards: a split dp's replicas,
+        and with cp every cp rank of them; None otherwise)."""
         groups = {"dp": self._dp_group, "tp": self._tp_group, "dp_shard": self._shard_group,
-                  "dp_replicate": self._replicate_group}
+                  "dp_replicate": self._replicate_group, "cp": self._cp_group}
         if axis not in groups:
             raise ValueError(f"no process group for axis {axis!r}; the axes are {', '.join(groups)}")
         return groups[axis]

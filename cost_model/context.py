@@ -1,0 +1,104 @@
+"""The collectives context parallelism adds to a step, as the plan records them.
+
+With cp ranks splitting each sequence (``passes.context_parallel``), every attention all-gathers
+its keys and values over cp in the forward (each gathered tensor is the whole sequence's, at
+this tp rank's heads) and reduce-scatters their gradients in the backward, and the loss counts
+its tokens with one all-reduce. Parameters are replicated over cp: zero=0 averages their
+gradients over dp x cp, which the plan records as an all-reduce of the rank's parameter bytes on
+the cp axis; under ZeRO the reduce-scattered shards are all-reduced across cp, 1/dp_shard of them.
+
+Prices (``context_priced``): the planner prices the captured, whole sequence; on cp ranks every op
+does 1/cp of that work, exactly so with the all-gather-KV attention (its scores are the rank's
+query rows against every key), so compute, the tp collectives (tokens / cp) and the activations
+are divided by cp. Added: the cp collectives above, priced as the eager program runs them, not
+overlapped (each gather is waited for before its attention), and the gathered keys and values
+each attention keeps for its backward, spread evenly over the pipeline stages. Choices made on
+the whole-sequence prices (recompute="auto", the stage cut) are not re-made at the local length.
+
+What a rank keeps for the backward (measured in tests/test_context_memory.py, every tensor
+autograd saves in the rewritten graph's forward, each storage once):
+- the whole sequence's kept tensors at s/cp tokens, the rank's own keys and values among them:
+  attention keeps the rank's queries, a view of the qkv projection's output, so that output
+  (the local keys and values too) stays alive as it does at cp=1;
+- the gathered keys and values in full, all s tokens: the gather's own buffers (its reordering
+  copy), not views of the local ones, so the rank's share is held twice;
+- left out, about 1% at the test's shapes: the rank's rows of the causal mask that each attention
+  keeps ((s/cp) x s in the queries' dtype, sdpa's additive form of the boolean mask) and the
+  token ids, targets and positions cut to the rank's chunks. The mask grows as s^2 / cp where the
+  gathered keys and values grow as s: relative to them it is s / (2 cp b h_kv), past one at long
+  sequences; the fields re-priced here carry no attention shapes to price it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch.fx import Node
+
+from autopar.passes.rules import shape
+from autopar.placement import local_shape
+
+from .comm import axis_is_inter_node, collective_time
+
+aten = torch.ops.aten
+
+
+def cp_collectives(cap, strategies: dict[Node, object], cp: int, tp: int, microbatches: int, param_bytes: float,
+                   zero: int, dp_shard: int) -> list[tuple[str, str, str, str, int, float]]:
+    """(kind, axis, phase, where, count, bytes) per step of the cp collectives of ``cap``'s graph
+    under ``strategies`` (the tp placements), ``microbatches`` forward and backward passes, and
+    the gradient sync across cp of ``param_bytes`` (one rank's parameter bytes)."""
+    if cp == 1:
+        return []
+    out = []
+    for n in cap.gm.graph.nodes:
+        if n.target is not aten.scaled_dot_product_attention.default:
+            continue
+        where = n.meta.get("module_path", "")
+        for slot in (1, 2):   # the keys and the values: whole sequence, this tp rank's heads
+            x = n.args[slot]
+            loc = local_shape(shape(x), strategies[n].inputs[slot], tp) if tp > 1 else shape(x)
+            nbytes = math.prod(loc) * x.meta["val"].element_size() * microbatches
+            out.append(("all_gather", "cp", "fwd", where, microbatches, nbytes))
+            out.append(("reduce_scatter", "cp", "bwd", where, microbatches, nbytes))
+    if cap.loss is not None:
+        out.append(("all_reduce", "cp", "fwd", cap.loss.meta.get("module_path", ""), microbatches, 8 * microbatches))
+    share = 1.0 / dp_shard if zero else 1.0
+    out.append(("all_reduce", "cp", "step", "(all parameters)", 1, param_bytes * share))
+    return out
+
+
+# the step's terms that scale with the rank's tokens (the rest: dp sync, update)
+_PER_TOKEN = ("dp", "update")
+
+
+def context_priced(fields: dict, cp: int, tp: int, dev, gpus_per_node: int) -> dict:
+    """A plan's ``fields`` priced on whole sequences (``planner.sharding.sharding_fields`` and the
+    memory and stage fields) re-priced for ``cp`` ranks per sequence (see the module docstring):
+    the per-token terms and activations divided by cp, the cp collectives' seconds added to
+    ``predicted_comm_s`` (and to the step terms as "cp"), the gathered keys and values (whole
+    sequence: the rank's own are kept apart, as at cp=1) to the activations."""
+    if cp == 1:
+        return fields
+    inter = axis_is_inter_node(cp, tp, gpus_per_node)
+    cp_seconds, gathered = 0.0, 0.0
+    for c in fields["collectives"]:
+        if c.axis != "cp":
+            continue
+        cp_seconds += c.count * collective_time(c.kind, c.bytes / c.count, cp, dev, inter)
+        if (c.kind, c.phase) == ("all_gather", "fwd"):
+            gathered += c.bytes / fields["microbatches"]   # one microbatch's, all s tokens, kept to its backward
+    terms = dict(fields["step_terms"])
+    scaled = {k: (v if k in _PER_TOKEN else v / cp) for k, v in terms.items()}
+    comm = fields["predicted_comm_s"] - terms.get("tp", 0.0) + scaled.get("tp", 0.0) + cp_seconds
+    stages = max(1, len(fields.get("memory", ())))
+
+    def memory(m):
+        activations = m.activations / cp + gathered / stages
+        transient = m.transient / cp
+        return dataclasses.replace(m, activations=activations, transient=transient,
+                                   peak=m.peak - m.activations - m.transient + activations + transient)
+
+    return dict(fields, predicted_compute_s=fields["predicted_compute_s"] / cp, predicted_comm_s=comm,
+                step_terms=dict(scaled, cp=cp_seconds), memory=tuple(memory(m) for m in fields.get("memory", ())))
