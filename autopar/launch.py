@@ -30,9 +30,11 @@ import torch.distributed as dist
 # Collectives give up after this long even under a long overall timeout, so a stuck rank's peers
 # fail with an error of their own instead of blocking forever.
 _MAX_COLLECTIVE_TIMEOUT_S = 120.0
+# How long a rank's error waits for a peer's death to show (its likely cause): a crashing process
+# can take seconds to exit on a loaded machine (a segfaulting rank took over 1 s in CI), and the
+# wait ends as soon as one peer exits, so only a failure with no dead peer waits it out.
+_DEATH_GRACE_S = 5.0
 # How long a rank gets to die of SIGTERM before it is sent SIGKILL.
-# how long a rank's error waits for a peer's death to show (its likely cause)
-_DEATH_GRACE_S = 1.0
 _TERMINATE_GRACE_S = 2.0
 # How long a failed rank under guard() stays up before it exits. A rank that fails only because a peer
 # died (gloo: "connection closed by peer") must not exit before torchrun's agent, which polls every

@@ -181,7 +181,7 @@ def test_mesh_dicts():
     assert (m.dp, m.pp, m.tp, m.dp_replicate, m.dp_shard, m.world_size) == (8, 1, 2, 2, 4, 16)
     assert m.dims() == (("dp_replicate", 2), ("dp_shard", 4), ("pp", 1), ("tp", 2))
     # rank order: dp_replicate outermost, then dp_shard, pp, tp; dp index = replica * dp_shard + shard
-    assert m.coords(13) == {"dp": 6, "dp_replicate": 1, "dp_shard": 2, "pp": 0, "tp": 1}
+    assert m.coords(13) == {"dp": 6, "dp_replicate": 1, "dp_shard": 2, "pp": 0, "cp": 0, "tp": 1}
     assert (m.inner_size("dp_replicate"), m.inner_size("dp_shard"), m.inner_size("dp")) == (8, 2, 2)
     assert Mesh.parse({"dp": 4, "tp": 2}) == Mesh(4, 1, 2) == Mesh.parse("4,1,2") == Mesh.parse((4, 1, 2))
     assert Mesh.parse({"dp": 4}).dp_shard == 4 and not Mesh.parse({"dp": 4}).split   # one replica of 4 shards
@@ -190,7 +190,7 @@ def test_mesh_dicts():
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"dp_replicate": 2, "cp": 2}, r"unknown mesh axis 'cp'; the known axes are dp, dp_replicate, dp_shard, pp, tp"),
+    ({"dp_replicate": 2, "ep": 2}, r"unknown mesh axis 'ep'; the known axes are dp, dp_replicate, dp_shard, pp, cp, tp"),
     ({"dp": 4, "dp_shard": 2}, r"give dp whole, or split as dp_replicate x dp_shard, not both"),
     ({"dp_shard": 0}, r"dp_shard must be a positive integer"),
     ({"dp_replicate": 1.5}, r"dp_replicate must be a positive integer"),
