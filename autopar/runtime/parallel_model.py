@@ -46,8 +46,9 @@ class ParallelModel:
     and load ``full_state_dict()`` for an unsharded copy.
 
     Gradients after ``train_step`` are averaged over dp (and cp, whose ranks see other tokens of
-    the same sequences with the same weights) and complete (no partial sums) on every rank, and any torch optimizer over ``parameters()`` is correct, except where the gradients
-    do not live on the parameters: with ``zero=1`` (they are reduce-scattered into the dp shard
+    the same sequences with the same weights) and complete (no partial sums) on every rank, and
+    any torch optimizer over ``parameters()`` is correct, except where the gradients do not live
+    on the parameters: with ``zero=1`` (they are reduce-scattered into the dp shard
     that ``optimizer(...)`` steps) and once ``optimizer(MasterAdamW)`` is built (they stay on
     the bf16 working copies). There any other optimizer stepping these parameters raises at its
     ``step()``, naming ``pm.optimizer(...)``; so does one built over the model's parameters
