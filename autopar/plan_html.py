@@ -3,7 +3,7 @@
 The page needs nothing at view time: CSS and the few lines of JS are inline, no fonts, no
 network. It shows, top to bottom:
 
-- a header: mesh (dp, pp, tp; cp too when the plan splits sequences), device, schedule and microbatches, sequence parallel, ZeRO,
+- a header: mesh (dp, pp, tp; dp as replicate x shard under HSDP; cp when the plan splits sequences), device, schedule and microbatches, sequence parallel, ZeRO,
   recompute mode, predicted step time, and the plan's warnings (an idle axis, a peak above the device);
 - the model as its layers in order, grouped into one ``<section data-stage="k">`` per pipeline
   stage and coloured by stage. A layer is the module that owns a run of graph nodes (a stage
@@ -184,6 +184,25 @@ def _zero_fact(plan) -> str:
             f"{', '.join(plan.keep_gathered)}; the other units reshard after their forward")
 
 
+def _mesh_fact(plan) -> tuple[str, str]:
+    """The mesh as the header shows it: dp written as replicate x shard when HSDP splits it, and cp
+    when the plan splits sequences."""
+    dp, pp, tp = plan.mesh
+    names, sizes = ["dp", "pp", "tp"], [str(dp), str(pp), str(tp)]
+    if plan.dp_replicate > 1:
+        names[0], sizes[0] = "dp_replicate x dp_shard", f"{plan.dp_replicate}x{plan.dp_shard}"
+    if plan.cp > 1:
+        names.insert(2, "cp")
+        sizes.insert(2, str(plan.cp))
+    text = f"({', '.join(sizes)}) = {dp * pp * plan.cp * tp} GPUs"
+    if plan.dp_replicate > 1:
+        text += (f", HSDP: ZeRO shards over the {plan.dp_shard} ranks of a replica and all-reduces across "
+                 f"{plan.dp_replicate} replicas")
+    if plan.cp > 1:
+        text += f", each sequence split over cp={plan.cp} ranks"
+    return f"mesh ({', '.join(names)})", text
+
+
 def _header(plan) -> str:
     dp, pp, tp = plan.mesh
     n_params = sum(math.prod(p.shape) for p in plan.parameters)
@@ -194,9 +213,7 @@ def _header(plan) -> str:
     sched = f"{plan.schedule}, {plan.microbatches} microbatches"
     if plan.virtual_stages > 1:
         sched += f", {plan.virtual_stages} stages per rank"
-    mesh = (("mesh (dp, pp, cp, tp)", f"({dp}, {pp}, {plan.cp}, {tp}) = {dp * pp * plan.cp * tp} GPUs, each sequence "
-             f"split over cp={plan.cp} ranks") if plan.cp > 1 else ("mesh (dp, pp, tp)", f"({dp}, {pp}, {tp}) = {dp * pp * tp} GPUs"))
-    facts = [mesh, ("device", plan.device),
+    facts = [_mesh_fact(plan), ("device", plan.device),
              ("schedule", sched if pp > 1 else f"no pipeline, {plan.microbatches} microbatch(es)"),
              ("sequence parallel", "on" if plan.sequence_parallel else "off"), ("ZeRO", _zero_fact(plan)),
              ("recompute", f"{plan.recompute} ({len(plan.recompute_regions)} regions)"),

@@ -83,6 +83,18 @@ def test_html_content(plan_pp2, plan_pp1):
     assert 'data-stage="1"' not in one
 
 
+def test_header_shows_hsdp_and_cp(model):
+    """An HSDP plan's header names the replicate x shard split of dp; a cp plan's names cp."""
+    inputs = example_inputs(model.config, 8, 128, device="meta")
+    hsdp = autopar.plan(model, {"dp_replicate": 2, "dp_shard": 4, "pp": 1, "tp": 2}, inputs, device="h100", zero=3)
+    text = hsdp.to_html()
+    assert "<b>mesh (dp_replicate x dp_shard, pp, tp)</b>(2x4, 1, 2) = 16 GPUs" in text
+    assert "ZeRO shards over the 4 ranks of a replica and all-reduces across 2 replicas" in text
+    cp = autopar.plan(model, {"dp": 1, "cp": 2, "pp": 1, "tp": 2}, inputs, device="h100").to_html()
+    assert "<b>mesh (dp, pp, cp, tp)</b>(1, 1, 2, 2) = 4 GPUs, each sequence split over cp=2 ranks" in cp
+    assert "HSDP" not in cp
+
+
 def test_text_is_escaped(plan_pp2):
     """Notes (and every other string) are HTML-escaped."""
     from dataclasses import replace
