@@ -16,7 +16,6 @@ the other.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from contextlib import contextmanager
 
@@ -68,35 +67,12 @@ def capture_repeated(model: torch.nn.Module, example_inputs: tuple, capture):
     with _first_layers(model, fqn, 3):
         three = canonical_names(capture(model, example_inputs))
     try:
-        grown = _repeat(_copy(two), fqn, 3)
+        grown = _repeat(two.copy(), fqn, 3)
     except ValueError:
         return None
     if _signature(grown.gm.graph) != _signature(three.gm.graph):
         return None
     return _repeat(two, fqn, n)
-
-
-def _copy(cap):
-    """``cap`` with a graph of its own (``_repeat`` grows a graph in place)."""
-    return _remapped(cap, cap.gm.graph, lambda node: node.name)
-
-
-def _remapped(cap, graph: Graph, name_of):
-    """``cap`` on a copy of ``graph`` whose nodes are named by ``name_of(node)``."""
-    g = Graph()
-    env: dict[Node, Node] = {}
-    for node in graph.nodes:
-        env[node] = g.create_node(node.op, node.target, map_arg(node.args, env.__getitem__),
-                                  map_arg(node.kwargs, env.__getitem__), name_of(node), node.type)
-        env[node].meta = dict(node.meta)
-    gm = torch.fx.GraphModule(cap.gm, g)
-    in_order = [nd for nd in graph.nodes if nd.op == "placeholder"]   # the order export gives them
-    params, buffers = set(cap.params.values()), set(cap.buffers.values())
-    return dataclasses.replace(cap, gm=gm,
-                               params={nd.meta["fqn"]: env[nd] for nd in in_order if nd in params},
-                               buffers={nd.meta["fqn"]: env[nd] for nd in in_order if nd in buffers},
-                               inputs=[env[i] for i in cap.inputs],
-                               loss=env[cap.loss] if cap.loss is not None else None)
 
 
 def _layer_of(prefix: str, node: Node) -> int | None:
@@ -176,7 +152,7 @@ def canonical_names(cap):
         counts[base] = k + 1
         return base if k == 0 else f"{base}_{k}"
 
-    return _remapped(cap, cap.gm.graph, name_of)
+    return cap.remapped(name_of)
 
 
 def _signature(g: Graph):

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch.export.graph_signature import InputKind
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, GraphModule, Node, map_arg
 
 aten = torch.ops.aten
 
@@ -58,6 +58,28 @@ class Captured:
                        buffers={f: by_name[n.name] for f, n in self.buffers.items()},
                        inputs=[by_name[n.name] for n in self.inputs],
                        loss=by_name[self.loss.name] if self.loss is not None else None)
+
+    def remapped(self, name_of) -> Captured:
+        """This capture on a copy of its graph whose nodes are named by ``name_of(node)``."""
+        g = Graph()
+        env: dict[Node, Node] = {}
+        for node in self.gm.graph.nodes:
+            env[node] = g.create_node(node.op, node.target, map_arg(node.args, env.__getitem__),
+                                      map_arg(node.kwargs, env.__getitem__), name_of(node), node.type)
+            env[node].meta = dict(node.meta)
+        gm = GraphModule(self.gm, g)
+        in_order = [nd for nd in self.gm.graph.nodes if nd.op == "placeholder"]   # the order export gives them
+        params, buffers = set(self.params.values()), set(self.buffers.values())
+        return replace(self, gm=gm,
+                       params={nd.meta["fqn"]: env[nd] for nd in in_order if nd in params},
+                       buffers={nd.meta["fqn"]: env[nd] for nd in in_order if nd in buffers},
+                       inputs=[env[i] for i in self.inputs],
+                       loss=env[self.loss] if self.loss is not None else None,
+                       aliases={k: list(v) for k, v in self.aliases.items()}, constants=dict(self.constants))
+
+    def copy(self) -> Captured:
+        """This capture on a graph of its own (passes that grow a graph in place get this)."""
+        return self.remapped(lambda node: node.name)
 
     def param_of(self, node: Node) -> str | None:
         return node.meta.get("fqn") if node.op == "placeholder" and node.meta.get("kind") == "param" else None
@@ -92,12 +114,17 @@ def capture_pass(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=N
     whole model; the graph is otherwise the static one (``_fold_sizes``). ``require_loss``: raise
     ValueError, saying what to return, unless the forward returns one scalar (the training loss)."""
     from autopar.passes.block_capture import canonical_names, capture_repeated
+    from autopar.passes.capture_cache import cached_capture, structure_key
 
     if any(p.is_meta for p in model.parameters()):   # a model built on meta traces with meta inputs
         example_inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
-    export = functools.partial(_export, require_loss=require_loss)
     if dynamic_shapes is not None:
-        return canonical_names(export(model, example_inputs, dynamic_shapes))
+        return canonical_names(_export(model, example_inputs, dynamic_shapes, require_loss=require_loss))
+
+    def export(model, example_inputs):
+        key = structure_key(model, example_inputs, require_loss=require_loss)
+        return cached_capture(key, lambda: _export(model, example_inputs, require_loss=require_loss), Captured.copy)
+
     cap = capture_repeated(model, example_inputs, export)
     return cap if cap is not None else canonical_names(export(model, example_inputs))
 
