@@ -16,7 +16,7 @@ gathered keys and values, the queries) are tensors a compiled backward needs too
 recompute (a gather communicates), so the cheaper eager step is measured; not checked compiled.
 Measured (bytes per rank, kept / predicted): cp=1 2349572 / 2347520, cp=2 1453320 / 1452288
 (+0.07%), cp=4 857736 / 857216 (+0.06%); the rest is the cut token ids ``cost_model.context``
-leaves out. Without the causal-mask rows each attention keeps (``cost_model.context.mask_priced``)
+leaves out. Without the causal-mask rows each attention keeps (``cost_model.context.attention_priced``)
 the prediction was 1.2% and 1.0% low.
 
 Offline (meta device): the per-layer activations the plan derives from the traced graph at cp=c
@@ -103,11 +103,12 @@ def test_what_cp_adds_is_the_gathered_keys_and_values_whole_and_the_mask_rows():
 
 # ---- offline: the traced graph's per-layer figure against Table 2 -----------------------------
 
-def _plan_activations(s, b, h, a, n_layer, cp):
+def _plan_activations(s, b, h, a, n_layer, cp, recompute="none"):
     cfg = GPTConfig(vocab_size=512, block_size=s, n_layer=n_layer, n_head=a, n_embd=h, dropout=0.1)
     with torch.device("meta"):
         model = GPT(cfg).to(torch.bfloat16)
-    plan = autopar.plan(model, {"cp": cp}, example_inputs(cfg, b, s, device="meta"), device="h100")
+    plan = autopar.plan(model, {"cp": cp}, example_inputs(cfg, b, s, device="meta"), device="h100",
+                        recompute=recompute)
     return plan.memory[0].activations
 
 
@@ -122,3 +123,14 @@ def test_per_layer_is_table_2_over_cp_plus_the_gathered_kv(s, b, h, a, cp):
     per_layer = (_plan_activations(s, b, h, a, 3, cp) - _plan_activations(s, b, h, a, 2, cp)) / (s * b * h)
     want = (36 + 4 * a / h) / cp + (4 + 2 * s / (cp * b * h) if cp > 1 else 0)
     assert per_layer == pytest.approx(want, rel=0.01), f"{per_layer:.3f} sbh per layer, want {want:.3f}"
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_a_recomputed_layer_keeps_its_input_over_cp_and_no_gathered_keys_or_mask(cp):
+    """Under full recompute a layer keeps only its input, 2 bytes per token and channel, 1/cp of the
+    sequence's: its checkpoint keeps neither the gathered keys and values nor the mask rows, which
+    its backward makes again (4 + 2s/(cp·b·h) more per s·b·h if they were counted kept)."""
+    s, b, h, a = 2048, 4, 6144, 64
+    full = [_plan_activations(s, b, h, a, n, cp, recompute="full") for n in (2, 3)]
+    per_layer = (full[1] - full[0]) / (s * b * h)
+    assert per_layer == pytest.approx(2 / cp, rel=0.01), f"{per_layer:.3f} sbh per layer, want {2 / cp:.3f}"

@@ -25,7 +25,7 @@ from autopar.cost_model.step import (dp_sync_time, param_byte_time, plan_update_
 from autopar.errors import PlanError, PlanFormatError
 from autopar.mesh import Mesh
 from autopar.passes.context_parallel import check_context
-from autopar.cost_model.context import context_priced, mask_priced
+from autopar.cost_model.context import attention_priced, context_priced
 from autopar.passes.capture import Captured, capture_pass
 from autopar.passes.precision import compute_dtype, retyped, working_copy_ratio
 from autopar.passes.units import layer_units, stage_of_nodes, zero_units
@@ -558,9 +558,9 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
         kept = choice.kept
         notes += (_kept_note(choice, len(zero_units(cap)), limit, budget is None, dev),)
     fields = context_priced(fields, mesh.cp, mesh.tp, dev, gpus_per_node)   # priced whole, run on 1/cp of it
-    if mesh.cp > 1:   # the mask rows each attention makes at cp, kept for the microbatches in flight
+    if mesh.cp > 1:   # what each attention keeps at cp, per stage, for the microbatches in flight there
         inflight = inflight_microbatches(mesh.pp, m, v, schedule) if fields.get("stages") else [1]
-        fields = mask_priced(fields, mesh.cp, _stage_nodes(cap, fields), inflight)
+        fields = attention_priced(fields, mesh.cp, mesh.tp, dev, gpus_per_node, _stage_nodes(cap, fields), inflight)
     if given is not None:   # a plan read back unchanged (parallelize broadcasts JSON) keeps its source
         fields["source"] = given.source if given.derives_as(_view(fields)) else edited_source(given.source)
     terms = fields.pop("step_terms")
