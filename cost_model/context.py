@@ -26,13 +26,15 @@ autograd saves in the rewritten graph's forward, each storage once):
   dtype: sdpa's additive form of the boolean mask, made per call). It grows as s^2 / cp where
   the gathered keys and values grow as s: relative to them it is s / (2 cp b h_kv) (b sequences
   per microbatch, h_kv key/value channels per tp rank), 1 at 4k tokens for Llama-3-8B's 1,024
-  channels at cp=2, and 8 GiB per attention at 128k tokens and cp=4.
-``attention_priced`` prices the last two per stage, for the microbatches it holds in flight: an
-attention inside a recompute region keeps neither (its region's checkpoint keeps only its
-inputs); its backward gathers the keys and values again and remakes the mask, one attention's at
-a time (a transient), and the gather's second all-gather is added to the cp term.
+  channels at cp=2, and 8 GiB per attention at 128k tokens and cp=4;
 - left out, well under 0.1% at the test's shapes: the token ids, targets and positions cut to
   the rank's chunks.
+
+``attention_priced`` prices the gathered keys and values and the mask per stage, for the
+microbatches it holds in flight: an attention inside a recompute region keeps neither (its
+region's checkpoint keeps only its inputs); its backward gathers the keys and values again and
+remakes the mask, one attention's at a time (a transient), and that second all-gather is added
+to the cp term.
 """
 from __future__ import annotations
 
@@ -134,7 +136,7 @@ def attention_priced(fields: dict, cp: int, tp: int, dev, gpus_per_node: int, st
     kv = {}   # one microbatch's gathered keys and values, per attention (by module)
     for c in gathers:
         kv[c.where] = kv.get(c.where, 0.0) + c.bytes / m
-    share = sum(kv.values()) / max(1, len(stage_nodes))   # what context_priced put on each stage
+    share = sum(kv.values()) / max(1, len(fields["memory"]))   # what context_priced put on each stage
     inter = axis_is_inter_node(cp, tp, gpus_per_node)
     recomputed = {name for region in fields["recompute_regions"] for name in region}
     memory, again_seconds = [], 0.0

@@ -197,8 +197,8 @@ def no_fit_error(mesh, zero, recompute, regions: int, offload, peak: float, limi
              else f"the memory budget ({limit / gib:.2f} GiB)")
     rc = f"{recompute} ({regions} regions)" if recompute == "auto" else recompute
     text = (f"no plan fits {where} after choosing {', '.join(searched)}: the smallest peak found is "
-            f"{peak / gib:.2f} GiB per device, with mesh (dp, pp, tp) = {tuple(mesh)}{f', cp={cp}' if cp > 1 else ''}, zero={zero}, recompute={rc}, "
-            f"offload={offload}")
+            f"{peak / gib:.2f} GiB per device, with mesh (dp, pp, tp) = {tuple(mesh)}{f', cp={cp}' if cp > 1 else ''}, "
+            f"zero={zero}, recompute={rc}, offload={offload}")
     fixes = [f"a device with at least {peak / gib:.1f} GiB (device=...)" if default_budget
              else f"a memory_budget of at least {peak / gib:.1f} GiB"]
     if "recompute" not in searched and recompute != "full":
