@@ -22,11 +22,19 @@ autograd saves in the rewritten graph's forward, each storage once):
   (the local keys and values too) stays alive as it does at cp=1;
 - the gathered keys and values in full, all s tokens: the gather's own buffers (its reordering
   copy), not views of the local ones, so the rank's share is held twice;
-- left out, about 1% at the test's shapes: the rank's rows of the causal mask that each attention
-  keeps ((s/cp) x s in the queries' dtype, sdpa's additive form of the boolean mask) and the
-  token ids, targets and positions cut to the rank's chunks. The mask grows as s^2 / cp where the
-  gathered keys and values grow as s: relative to them it is s / (2 cp b h_kv), past one at long
-  sequences; the fields re-priced here carry no attention shapes to price it.
+- the rank's rows of the causal mask that each attention keeps ((s/cp) x s in the queries'
+  dtype: sdpa's additive form of the boolean mask, made per call). It grows as s^2 / cp where
+  the gathered keys and values grow as s: relative to them it is s / (2 cp b h_kv) (b sequences
+  per microbatch, h_kv key/value channels per tp rank), 1 at 4k tokens for Llama-3-8B's 1,024
+  channels at cp=2, and 8 GiB per attention at 128k tokens and cp=4;
+- left out, well under 0.1% at the test's shapes: the token ids, targets and positions cut to
+  the rank's chunks.
+
+``attention_priced`` prices the gathered keys and values and the mask per stage, for the
+microbatches it holds in flight: an attention inside a recompute region keeps neither (its
+region's checkpoint keeps only its inputs); its backward gathers the keys and values again and
+remakes the mask, one attention's at a time (a transient), and that second all-gather is added
+to the cp term.
 """
 from __future__ import annotations
 
@@ -78,7 +86,8 @@ def context_priced(fields: dict, cp: int, tp: int, dev, gpus_per_node: int) -> d
     memory and stage fields) re-priced for ``cp`` ranks per sequence (see the module docstring):
     the per-token terms and activations divided by cp, the cp collectives' seconds added to
     ``predicted_comm_s`` (and to the step terms as "cp"), the gathered keys and values (whole
-    sequence: the rank's own are kept apart, as at cp=1) to the activations."""
+    sequence: the rank's own are kept apart, as at cp=1) to the activations, spread evenly over the
+    stages (``attention_priced`` re-prices them per stage and recompute region)."""
     if cp == 1:
         return fields
     inter = axis_is_inter_node(cp, tp, gpus_per_node)
@@ -102,3 +111,50 @@ def context_priced(fields: dict, cp: int, tp: int, dev, gpus_per_node: int) -> d
 
     return dict(fields, predicted_compute_s=fields["predicted_compute_s"] / cp, predicted_comm_s=comm,
                 step_terms=dict(scaled, cp=cp_seconds), memory=tuple(memory(m) for m in fields.get("memory", ())))
+
+
+def attention_mask_bytes(node: Node, cp: int) -> float:
+    """Bytes of the mask an all-gather-KV attention (sdpa ``node`` of the whole-sequence graph) makes
+    on a cp rank: its (s/cp) query rows against every key, in the queries' dtype."""
+    q, k = node.args[0], node.args[1]
+    return shape(q)[-2] / cp * shape(k)[-2] * q.meta["val"].element_size()
+
+
+def attention_priced(fields: dict, cp: int, tp: int, dev, gpus_per_node: int, stage_nodes: list[list[Node]],
+                     inflight: list[int]) -> dict:
+    """``fields`` as ``context_priced`` left them, with what each attention keeps at cp priced per stage
+    (module docstring): its gathered keys and values (``context_priced`` spread them evenly over the
+    stages, every attention kept) and its mask rows, kept for each of the ``inflight`` microbatches
+    a stage holds when the attention is outside the recompute regions; for a recomputed attention,
+    both made again in its backward (one attention's at a time, a transient) and its keys and
+    values all-gathered again (the cp term). ``stage_nodes``: each stage's ops, of the
+    whole-sequence graph."""
+    if cp == 1:
+        return fields
+    m = fields["microbatches"]
+    gathers = [c for c in fields["collectives"] if (c.kind, c.axis, c.phase) == ("all_gather", "cp", "fwd")]
+    kv = {}   # one microbatch's gathered keys and values, per attention (by module)
+    for c in gathers:
+        kv[c.where] = kv.get(c.where, 0.0) + c.bytes / m
+    share = sum(kv.values()) / max(1, len(fields["memory"]))   # what context_priced put on each stage
+    inter = axis_is_inter_node(cp, tp, gpus_per_node)
+    recomputed = {name for region in fields["recompute_regions"] for name in region}
+    memory, again_seconds = [], 0.0
+    for mem, nodes, held in zip(fields["memory"], stage_nodes, inflight):
+        kept, transient = 0.0, 0.0
+        for n in nodes:
+            if n.target is not aten.scaled_dot_product_attention.default:
+                continue
+            keys = kv.get(n.meta.get("module_path", ""), 0.0)
+            if n.name in recomputed:
+                transient = max(transient, keys + attention_mask_bytes(n, cp))
+                # its backward gathers the keys and the values again, each at half these bytes
+                again_seconds += 2 * m * collective_time("all_gather", keys / 2, cp, dev, inter)
+            else:
+                kept += held * (keys + attention_mask_bytes(n, cp))
+        activations = mem.activations - share + kept
+        memory.append(dataclasses.replace(mem, activations=activations, transient=mem.transient + transient,
+                                          peak=mem.peak - mem.activations + activations + transient))
+    terms = fields["step_terms"]
+    return dict(fields, memory=tuple(memory), predicted_comm_s=fields["predicted_comm_s"] + again_seconds,
+                step_terms=dict(terms, cp=terms["cp"] + again_seconds))

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -339,17 +340,22 @@ def _loss(gm: GraphModule, n: Node, size: int, group: str, fake: dict) -> Node:
     return n
 
 
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # fx Graph -> the cp it splits over
+
+
 def check_context(cap, cp: int) -> None:
     """Raise ``ContextParallelError`` now, at planning, for what ``cp_pass`` would refuse on the
     ranks: a sequence 2·cp does not divide, attention or a loss it cannot split (on rank 0's
-    chunks; no process group needed, the graph is only traced)."""
-    if cp == 1:
+    chunks; no process group needed, the graph is only traced). A cp that passed once for a graph
+    is not traced again (captures are immutable): the mesh search asks it of every ZeRO stage."""
+    if cp == 1 or cp in _CHECKED.get(cap.gm.graph, ()):
         return
     if not cap.inputs or len(shape_of(cap.inputs[0])) < 2:
         raise ContextParallelError(f"cp={cp} splits the sequence dim (dim 1) of the first input, but it is "
                                    f"{list(shape_of(cap.inputs[0])) if cap.inputs else 'missing'}: pass token ids "
                                    "of shape (batch, sequence), or use cp=1")
     cp_pass(cap.gm, size=cp, rank=0, group="", seq=shape_of(cap.inputs[0])[1])
+    _CHECKED.setdefault(cap.gm.graph, set()).add(cp)
 
 
 def shape_of(node: Node) -> tuple[int, ...]:

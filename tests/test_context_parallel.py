@@ -211,16 +211,18 @@ def test_checkpoint_moves_between_cp_meshes():
 
 def test_cp_pricing():
     """Each cp rank does 1/cp of the whole sequence's work and keeps 1/cp of its activations plus
-    the gathered keys and values whole (tests/test_context_memory.py measures it), and pays the cp
-    collectives."""
+    the gathered keys and values whole and its rows of each attention's mask (tests/test_context_memory.py
+    measures it), and pays the cp collectives."""
     cfg = GPTConfig(vocab_size=512, block_size=256, n_layer=2, n_head=8, n_embd=256)
     plans = {cp: autopar.plan(_meta(cfg), {"cp": cp}, example_inputs(cfg, 2, 256), device="h100") for cp in (1, 2)}
     one, two = plans[1], plans[2]
     assert two.predicted_compute_s == pytest.approx(one.predicted_compute_s / 2)
     assert one.predicted_comm_s == 0 < two.predicted_comm_s
     gathered = sum(c.bytes for c in two.collectives if (c.kind, c.axis) == ("all_gather", "cp")) / 2
-    # at cp=2 each gather receives the other half: the rank keeps twice that, the whole K and V
-    assert two.memory[0].activations == pytest.approx(one.memory[0].activations / 2 + 2 * gathered)
+    # at cp=2 each gather receives the other half: the rank keeps twice that, the whole K and V, and
+    # per layer the mask's 128 query rows by 256 keys in fp32
+    masks = 2 * 128 * 256 * 4
+    assert two.memory[0].activations == pytest.approx(one.memory[0].activations / 2 + 2 * gathered + masks)
     # 2 layers x (K, V) per step, whole sequence at every head
     assert sum(c.count for c in two.collectives if (c.kind, c.axis) == ("all_gather", "cp")) == 4
     assert gathered == 4 * 2 * 256 * 256 * 4 / 2   # fp32 (batch, heads, sequence, head dim) each

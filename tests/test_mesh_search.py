@@ -11,9 +11,9 @@ from autopar.examples.gpt import build, example_inputs
 
 # rank, mesh (dp or HSDP's "r x s", pp, tp), microbatches, zero ("3 k5": 5 units kept gathered),
 # recompute ("auto 12": regions), offload,
-# step ms, its terms (compute, tp, pp, dp, bubble, update), peak GiB, fits
+# step ms, its terms (compute, tp, cp, pp, dp, bubble, update), peak GiB, fits
 ROW = re.compile(r"^\s*\d+\s+\((\d+(?:x\d+)?), (\d+), (\d+)\)\s+(\d+)\s+(\d(?: k\d+)?)\s+(none|selective|full|auto \d+)"
-                 r"\s+(none|optimizer)\s+([\d.]+)((?:\s+-?[\d.]+){6})\s+([\d.]+)\s+(yes|no)$")
+                 r"\s+(none|optimizer)\s+([\d.]+)((?:\s+-?[\d.]+){7})\s+([\d.]+)\s+(yes|no)$")
 
 
 def _dp(text: str) -> int:
@@ -64,8 +64,9 @@ def test_each_row_shows_the_choices_and_the_terms_of_its_step():
         terms = [float(t) for t in m[9].split()]
         assert sum(terms) == pytest.approx(float(m[8]), abs=4e-3), m[0]   # printed to 3 decimals each
         pp = int(m[2])
-        assert (terms[2] > 0 or terms[4] > 0) if pp > 1 else terms[2] == terms[4] == 0.0, m[0]   # pp, bubble
+        assert (terms[3] > 0 or terms[5] > 0) if pp > 1 else terms[3] == terms[5] == 0.0, m[0]   # pp, bubble
         assert (terms[1] > 0) == (int(m[3]) > 1), m[0]   # tp communication only with tp > 1
+        assert terms[2] == 0.0, m[0]   # no cp communication at cp=1
     first = rows[0]
     assert (int(first[5].split()[0]), first[7]) == (chosen.zero, chosen.offload)
     assert (first[8], first[10]) == _printed(chosen)
@@ -117,7 +118,7 @@ def test_no_mesh_fits_names_the_smallest_peak_and_what_to_change():
 
 
 HSDP_ROW = re.compile(r"^\s*\d+\s+\((\d+)x(\d+), (\d+), (\d+)\)\s+(\d+)\s+(\d(?: k\d+)?)\s+(none|selective|full|auto \d+)"
-                      r"\s+(none|optimizer)\s+([\d.]+)((?:\s+-?[\d.]+){6})\s+([\d.]+)\s+(yes|no)$")
+                      r"\s+(none|optimizer)\s+([\d.]+)((?:\s+-?[\d.]+){7})\s+([\d.]+)\s+(yes|no)$")
 
 
 def test_a_dp_across_nodes_is_ranked_split_as_hsdp_too():
@@ -133,3 +134,68 @@ def test_a_dp_across_nodes_is_ranked_split_as_hsdp_too():
     # without ZeRO nothing shards over dp_shard: no split is ranked
     plain = autopar.plan(model, "auto", inputs, world_size=16, zero=0, gpus_per_node=8)
     assert not any(map(HSDP_ROW.match, _table(plain).splitlines()))
+
+
+# ---- context parallelism in the ranking ----------------------------------------------------------
+
+CP_ROW = re.compile(r"^\s*\d+\s+\((\d+), (\d+), cp(\d+), (\d+)\)\s+(\d+)\s+(\d(?: k\d+)?)\s+(none|selective|full|auto \d+)"
+                    r"\s+(none|optimizer)\s+([\d.]+)((?:\s+-?[\d.]+){7})\s+([\d.]+)\s+(yes|no)$")
+
+
+def _cp_rows(plan):
+    """(dp, pp, cp, tp), microbatches, step ms, peak GiB and the terms of each ranked cp > 1 row."""
+    return [((int(m[1]), int(m[2]), int(m[3]), int(m[4])), int(m[5]), m[9], m[11], [float(t) for t in m[10].split()])
+            for m in map(CP_ROW.match, _table(plan).splitlines()) if m]
+
+
+def test_a_batch_smaller_than_the_world_ranks_cp_rows_each_the_plan_of_its_mesh():
+    """One 1,024-token sequence on 4 devices: dp cannot use them, so each (pp, tp) splits the sequence
+    over the least cp the batch allows; every cp row is the plan of its mesh, cp's collectives its own term."""
+    model = build("gpt2", device="meta", n_layer=4)
+    inputs = example_inputs(model.config, 1, 1024, device="meta")
+    chosen = autopar.plan(model, "auto", inputs, world_size=4)
+    rows = _cp_rows(chosen)
+    assert {mesh for mesh, *_ in rows} == {(1, 1, 2, 2), (1, 1, 4, 1)}, _table(chosen)
+    for (dp, pp, cp, tp), m, step, peak, terms in rows:
+        alone = autopar.plan(model, {"dp": dp, "pp": pp, "cp": cp, "tp": tp}, inputs, microbatches=m)
+        assert (step, peak) == _printed(alone), (dp, pp, cp, tp)
+        assert terms[2] > 0 and sum(terms) == pytest.approx(float(step), abs=4e-3)   # cp's collectives
+    assert "cp 2, 4 split the 1024-token sequence" in _table(chosen)
+    assert chosen.cp > 1   # here (1, 1, 4)'s tp collectives cost more than cp's
+    winner = next(r for r in rows if r[0] == (chosen.mesh[0], chosen.mesh[1], chosen.cp, chosen.mesh[2]))
+    assert winner[2:4] == _printed(chosen)   # the winner's row is its plan's
+    why = _table(chosen).splitlines()[-1]
+    assert f"cp {chosen.cp} is the least cp at pp=1, tp={chosen.mesh[2]} that the batch allows" in why
+
+
+def _long():
+    """Two 4,096-token sequences of a model whose 3 heads tp=2 cannot split: dp=2 or cp=2 on 2 devices."""
+    model = build("gpt2", device="meta", n_layer=2, n_head=3, n_embd=192, block_size=4096)
+    return model, example_inputs(model.config, 2, 4096, device="meta")
+
+
+def test_a_memory_budget_pushes_cp_up():
+    """dp=2 keeps a whole sequence's activations per device, cp=2 half of them plus the gathered keys
+    and values and the mask rows: with the room for both, dp=2 wins and cp is not planned; with a budget
+    only cp=2 fits, it wins, and the reason line says what dp=2 needed."""
+    model, inputs = _long()
+    roomy = autopar.plan(model, "auto", inputs, world_size=2)
+    assert (tuple(roomy.mesh), roomy.cp) == ((2, 1, 1), 1) and not _cp_rows(roomy)
+    dp_peak = max(m.peak for m in roomy.memory)
+    cp_peak = max(m.peak for m in autopar.plan(model, {"cp": 2}, inputs, microbatches=2).memory)
+    assert cp_peak < dp_peak
+    budget = (cp_peak + dp_peak) / 2
+    tight = autopar.plan(model, "auto", inputs, world_size=2, memory_budget=budget)
+    assert (tuple(tight.mesh), tight.cp) == ((1, 1, 1), 2)
+    [(mesh, m, step, peak, _)] = _cp_rows(tight)
+    assert (mesh, m) == ((1, 1, 2, 1), 2) and (step, peak) == _printed(tight)
+    why = _table(tight).splitlines()[-1]
+    assert f"cp 2 is the least cp at pp=1, tp=1 that fits ((2, 1, 1) needs {dp_peak / 2**30:.2f} GiB)" in why
+
+
+def test_cp_rows_are_skipped_where_2cp_does_not_divide_the_sequence():
+    model = build("gpt2", device="meta", n_layer=2)
+    inputs = example_inputs(model.config, 1, 20, device="meta")   # 2·cp | 20: cp 2 (and 5, 10), not 4
+    chosen = autopar.plan(model, "auto", inputs, world_size=4)
+    assert {mesh for mesh, *_ in _cp_rows(chosen)} == {(1, 1, 2, 2)}, _table(chosen)
+    assert "cp 2 splits the 20-token sequence (cp 4: 2·cp does not divide it)" in _table(chosen)

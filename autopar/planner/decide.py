@@ -25,7 +25,7 @@ from autopar.cost_model.step import (dp_sync_time, param_byte_time, plan_update_
 from autopar.errors import PlanError, PlanFormatError
 from autopar.mesh import Mesh
 from autopar.passes.context_parallel import check_context
-from autopar.cost_model.context import context_priced
+from autopar.cost_model.context import attention_priced, context_priced
 from autopar.passes.capture import Captured, capture_pass
 from autopar.passes.precision import compute_dtype, retyped, working_copy_ratio
 from autopar.passes.units import layer_units, stage_of_nodes, zero_units
@@ -158,6 +158,7 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
 
         budget = parse_bytes(memory_budget)
         mesh, microbatches, notes = _auto_mesh(example_inputs, world_size, price=price, capture=capture,
+                                               sequence_parallel=sequence_parallel,
                                                hsdp=zero == "auto" or zero in (1, 2, 3),   # ZeRO shards dp_shard
                                                gpus_per_node=gpus_per_node, default_budget=budget is None,
                                                device=get_device(device).name,
@@ -182,22 +183,22 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
     if searched and best.peak_memory > limit:
         f = best.fields
         raise no_fit_error(f["mesh"], f["zero"], f["recompute"], len(f["recompute_regions"]), f["offload"],
-                           best.peak_memory, limit, budget is None, best.dev.name, searched)
+                           best.peak_memory, limit, budget is None, best.dev.name, searched, cp=f["cp"])
     return best.cap, best.strategies, best.plan(notes)
 
 
 def no_fit_error(mesh, zero, recompute, regions: int, offload, peak: float, limit: float, default_budget: bool,
-                 device: str, searched, world_size=None, table: str = "") -> PlanError:
+                 device: str, searched, world_size=None, table: str = "", cp: int = 1) -> PlanError:
     """The error when no combination the planner searched (``searched``: the knobs it chose, "mesh"
-    among them for mesh="auto") meets the memory: the smallest peak found, with its choices, and
-    what to change."""
+    among them for mesh="auto") meets the memory: the smallest peak found, with its choices (``cp``:
+    the ranks its sequences are split over), and what to change."""
     gib = 2**30
     where = (f"one {device}'s memory ({limit / gib:.2f} GiB)" if default_budget
              else f"the memory budget ({limit / gib:.2f} GiB)")
     rc = f"{recompute} ({regions} regions)" if recompute == "auto" else recompute
     text = (f"no plan fits {where} after choosing {', '.join(searched)}: the smallest peak found is "
-            f"{peak / gib:.2f} GiB per device, with mesh (dp, pp, tp) = {tuple(mesh)}, zero={zero}, recompute={rc}, "
-            f"offload={offload}")
+            f"{peak / gib:.2f} GiB per device, with mesh (dp, pp, tp) = {tuple(mesh)}{f', cp={cp}' if cp > 1 else ''}, "
+            f"zero={zero}, recompute={rc}, offload={offload}")
     fixes = [f"a device with at least {peak / gib:.1f} GiB (device=...)" if default_budget
              else f"a memory_budget of at least {peak / gib:.1f} GiB"]
     if "recompute" not in searched and recompute != "full":
@@ -206,7 +207,7 @@ def no_fit_error(mesh, zero, recompute, regions: int, offload, peak: float, limi
         fixes.append("zero='auto'")
     if "offload" not in searched and offload == "none":
         fixes.append("offload='auto'")
-    devices = mesh[0] * mesh[1] * mesh[2]
+    devices = mesh[0] * mesh[1] * mesh[2] * cp
     more = 2 * (world_size or devices)
     fixes.append(f"more GPUs (pp and tp divide the weights and activations): mesh='auto' with world_size={more} "
                  f"(`--mesh auto --gpus {more}`)")
@@ -264,12 +265,12 @@ def _best_microbatches(planned: Decision, mesh: Mesh, options: list[int], knobs:
 
 
 def _auto_mesh(example_inputs, world_size, *, default_budget: bool, device: str, searched: dict, **kw):
-    """The fastest (dp, pp, tp) that fits, its microbatch count, and the ranking as plan notes;
-    ``no_fit_error`` when none fits (``searched``: the knobs and their values, ``device`` its name)."""
+    """The fastest (dp, pp, tp), or (dp, pp, cp, tp), that fits, its microbatch count, and the ranking as
+    plan notes; ``no_fit_error`` when none fits (``searched``: the knobs and their values, ``device`` its name)."""
     if not world_size:
         raise ValueError('mesh="auto" needs the number of devices: pass world_size= (the CLI\'s --gpus)')
-    options = rank_meshes(world_size, example_inputs, **kw)
-    table = ranking_table(options)
+    options, context = rank_meshes(world_size, example_inputs, **kw)
+    table = ranking_table(options, context=context)
     best = options[0]
     if not best.fits:
         closest = min(options, key=lambda o: o.peak_memory)
@@ -279,7 +280,7 @@ def _auto_mesh(example_inputs, world_size, *, default_budget: bool, device: str,
         raise no_fit_error((closest.mesh.dp, closest.mesh.pp, closest.mesh.tp), closest.zero, closest.recompute,
                            closest.recompute_regions, closest.offload, closest.peak_memory, kw["memory_budget"],
                            default_budget, device, ["mesh"] + [k for k, v in searched.items() if v == "auto"],
-                           world_size, table)
+                           world_size, table, cp=closest.mesh.cp)
     note = f"mesh chosen automatically among {len(options)} candidates for {world_size} devices:\n{table}"
     return best.mesh, best.microbatches, (note,)
 
@@ -299,7 +300,7 @@ class Decision:
     budget: float | None
     gpus_per_node: int
     given: Plan | None = None
-    terms: dict | None = None   # the step time's terms (compute, tp, pp, bubble, dp, update) that the ranking shows
+    terms: dict | None = None   # the step time's terms (compute, tp, cp, pp, bubble, dp, update) that the ranking shows
 
     @property
     def step_time(self) -> float:
@@ -451,10 +452,11 @@ def _zero_floors(mesh, example_inputs, *, choices, device, plan, microbatches, c
     """Per ZeRO stage, floors of its plan's peak bytes and step seconds that hold for any strategies
     and stage cut (``cost_model.stages.state_floor``, ``cost_model.step.zero_sync_floor``; 0 where no
     step floor is priced), for ``_decide_zero`` to skip the stages that cannot be chosen; None where
-    these floors are not derived (the optimizer offloaded, a given plan, context parallelism, whose
-    prices are scaled after the plan is made), and nothing is skipped.
+    these floors are not derived (the optimizer offloaded, a given plan), and nothing is skipped. They
+    hold at cp > 1 too: ``cost_model.context`` divides activations and per-token terms by cp, never
+    the weights, their state or the dp sync that the floors bound.
     Both are lowered by a relative 1e-9, so that rounding in the plans' own sums cannot cross them."""
-    if offload != "none" or isinstance(plan, Plan) or mesh.cp > 1:
+    if offload != "none" or isinstance(plan, Plan):
         return None
     cap = retyped(capture(_local_inputs(example_inputs, mesh, microbatches)), precision)
     full = sum(math.prod(p.meta["val"].shape) * p.meta["val"].element_size() for p in cap.params.values())
@@ -556,6 +558,9 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
         kept = choice.kept
         notes += (_kept_note(choice, len(zero_units(cap)), limit, budget is None, dev),)
     fields = context_priced(fields, mesh.cp, mesh.tp, dev, gpus_per_node)   # priced whole, run on 1/cp of it
+    if mesh.cp > 1:   # what each attention keeps at cp, per stage, for the microbatches in flight there
+        inflight = inflight_microbatches(mesh.pp, m, v, schedule) if fields.get("stages") else [1]
+        fields = attention_priced(fields, mesh.cp, mesh.tp, dev, gpus_per_node, _stage_nodes(cap, fields), inflight)
     if given is not None:   # a plan read back unchanged (parallelize broadcasts JSON) keeps its source
         fields["source"] = given.source if given.derives_as(_view(fields)) else edited_source(given.source)
     terms = fields.pop("step_terms")

@@ -1,4 +1,5 @@
-"""mesh="auto": every valid (dp, pp, tp) for a world size, ranked by predicted step time.
+"""mesh="auto": every valid (dp, pp, tp), and cp where it can pay, for a world size, ranked by
+predicted step time.
 
 All candidates use one microbatch size (``microbatch_size`` sequences; the rest of a dp
 rank's batch is microbatches), so the model is captured once. Each candidate is planned as
@@ -6,13 +7,26 @@ rank's batch is microbatches), so the model is captured once. Each candidate is 
 plan's predicted step time (``cost_model.step.step_time``) and peak memory
 (``Plan.memory``): the winner's row and the winner's plan are one computation. A row also shows
 the zero stage, recompute and offload its plan chose and the step's terms as its plan added them
-up (``Decision.terms``: compute, tp / pp / dp exposed communication, bubble, update), and a last
+up (``Decision.terms``: compute, tp / cp / pp / dp exposed communication, bubble, update), and a last
 line says why the winner won. tp stays inside a node.
 
 With ``hsdp`` (ZeRO may shard, zero >= 1 or "auto"), a dp that spans several nodes is also ranked
-split as HSDP: dp_shard = the dp ranks of one node (gpus_per_node / (pp * tp), at least 2) and
+split as HSDP: dp_shard = the dp ranks of one node (gpus_per_node / (pp * cp * tp), at least 2) and
 dp_replicate = dp / dp_shard, so that the sharded collectives stay inside a node and only the
 replicas' all-reduce crosses nodes; its row names the mesh (r x s, pp, tp).
+
+Context parallelism (cp ranks per sequence, ``passes.context_parallel``) is ranked where the model
+allows it (causal attention, ``check_context``) for the cp that split the sequence into 2·cp
+chunks (``check_sequence``). For one (pp, tp), the ranks left, D = dp·cp, split the batch's
+tokens either way: every (D/cp, pp, cp, tp) gives each rank the same tokens and compute, while a
+larger cp adds its collectives (the keys and values gathered per attention, per microbatch: and
+with dp smaller there are more microbatches per rank, so more of them and more ZeRO gathers) and
+only saves memory (activations / cp). So per (pp, tp) cp rises from 1 only while no plan fits:
+the least cp whose plan fits the memory is the last one priced, and larger cp are not planned
+(this holds on the cost model's prices, where a plan at cp makes its recompute choice and stage
+cut on the whole sequence, ``cost_model.context``: memory cp saves buys no less recompute). A cp
+whose dp the batch does not divide is skipped as a dp would be. Rows with cp > 1 name the mesh
+(dp, pp, cpC, tp).
 """
 from __future__ import annotations
 
@@ -22,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.mesh import Mesh
+from autopar.passes.context_parallel import ContextParallelError, check_context, check_sequence
 from autopar.passes.units import layer_units
 from autopar.errors import PlanError
 from autopar.planner.sharding import check_tp, divisors
@@ -42,74 +57,128 @@ class MeshOption:
     recompute_regions: int = 0
     offload: str = "none"
     kept_gathered: int = 0   # ZeRO-3's units kept gathered from forward to backward
-    terms: dict | None = None   # the step time's terms: compute, tp, pp, bubble, dp, update (seconds)
+    terms: dict | None = None   # the step time's terms: compute, tp, cp, pp, bubble, dp, update (seconds)
 
 
-TERMS = ("compute", "tp", "pp", "dp", "bubble", "update")
+TERMS = ("compute", "tp", "cp", "pp", "dp", "bubble", "update")
 
 
 def hsdp_split(mesh: Mesh, gpus_per_node: int) -> Mesh | None:
     """``mesh`` with its dp split as HSDP (module docstring): dp_shard the dp ranks inside one node,
     dp_replicate the rest; None when dp fits in a node or a node holds fewer than two of its ranks."""
-    inner = mesh.pp * mesh.tp
+    inner = mesh.pp * mesh.cp * mesh.tp
     if gpus_per_node % inner or mesh.dp * inner <= gpus_per_node:
         return None
     shard = gpus_per_node // inner
     if shard < 2 or mesh.dp % shard:
         return None
-    return Mesh(mesh.dp, mesh.pp, mesh.tp, dp_replicate=mesh.dp // shard)
+    return Mesh(mesh.dp, mesh.pp, mesh.tp, dp_replicate=mesh.dp // shard, cp=mesh.cp)
 
 
 def mesh_name(mesh: Mesh) -> str:
-    """A ranking row's mesh: (dp, pp, tp), with a split dp as (dp_replicate x dp_shard, pp, tp)."""
-    if mesh.split:
-        return f"({mesh.dp_replicate}x{mesh.dp_shard}, {mesh.pp}, {mesh.tp})"
-    return str((mesh.dp, mesh.pp, mesh.tp))
+    """A ranking row's mesh: (dp, pp, tp), with a split dp as (dp_replicate x dp_shard, pp, tp), and
+    with cp > 1 as (dp, pp, cpC, tp) (the rank order: cp between pp and tp)."""
+    dp = f"{mesh.dp_replicate}x{mesh.dp_shard}" if mesh.split else f"{mesh.dp}"
+    cp = f"cp{mesh.cp}, " if mesh.cp > 1 else ""
+    return f"({dp}, {mesh.pp}, {cp}{mesh.tp})"
+
+
+def context_sizes(seq: int, data: int, *, tp: int = 1, sequence_parallel=False) -> tuple[list[int], str]:
+    """The cp > 1 that may split ``data`` ranks' sequences of ``seq`` tokens (cp divides ``data``,
+    2·cp chunks divide the sequence, and, with ``sequence_parallel`` forced on, tp divides each rank's
+    tokens), and a sentence saying which and why the others are not. Whether the model allows cp
+    is asked only once a cp is to be planned (``allows_context``): it traces the rewrite, which
+    costs seconds on a large model."""
+    valid, refused = [], []
+    for cp in (c for c in divisors(data) if c > 1):
+        try:
+            check_sequence(seq, cp, tp, sequence_parallel is True)
+        except ContextParallelError:
+            refused.append(cp)
+            continue
+        valid.append(cp)
+    text = f"cp {', '.join(map(str, valid)) or 'none'} split{'s' if len(valid) == 1 else ''} the {seq}-token sequence"
+    if refused:
+        text += f" (cp {', '.join(map(str, refused))}: 2·cp does not divide it)"
+    return valid, text
+
+
+def allows_context(cap, cp: int) -> str:
+    """"" when the model's graph can be split over cp ranks per sequence, else why not
+    (``check_context``: causal sdpa, a loss over tokens, nothing else reducing over the sequence)."""
+    try:
+        check_context(cap, cp)
+    except ContextParallelError as e:
+        return str(e)
+    return ""
 
 
 def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budget: float,
-                gpus_per_node: int = 8, microbatch_size: int = 1, hsdp: bool = False) -> list[MeshOption]:
-    """Every (dp, pp, tp) with dp * pp * tp == world_size that the model and batch allow,
-    fastest fitting mesh first.
+                gpus_per_node: int = 8, microbatch_size: int = 1, hsdp: bool = False,
+                sequence_parallel="auto") -> tuple[list[MeshOption], str]:
+    """Every (dp, pp, tp) with dp * pp * tp == world_size that the model and batch allow, and the
+    (dp, pp, cp, tp) the module docstring says can pay, fastest fitting mesh first; with a line
+    saying which cp the sequence allows and, when the winner splits it, why that cp.
 
     ``price(mesh, microbatches)``: the candidate's plan before it is built (its ``step_time``,
     ``peak_memory``, ``terms`` and ``fields``: the figures and choices its Plan will have), or a
     ValueError saying why none fits (no stage cut, or no recompute choice, within the memory);
     ``capture(inputs)``: the model traced at one microbatch, for the checks a mesh must pass before
-    it is planned (tp divides the heads, pp at most the layer units); ``memory_budget``: bytes per
-    device; ``hsdp``: also rank each multi-node dp split as HSDP (``hsdp_split``)."""
-    batch = example_inputs[0].shape[0]
+    it is planned (tp divides the heads, pp at most the layer units, the model allows cp); ``memory_budget``: bytes per
+    device; ``hsdp``: also rank each multi-node dp split as HSDP (``hsdp_split``);
+    ``sequence_parallel``: the knob (True asks each cp rank's tokens to split over tp)."""
+    first = example_inputs[0]
+    batch, seq = first.shape[0], first.shape[1] if first.dim() > 1 else None   # cp splits dim 1, the sequence
     cap = capture(tuple(x[:microbatch_size] for x in example_inputs))
     units = layer_units(cap)
-    out = []
+    out, refused = [], {}
     for tp in (t for t in divisors(world_size) if t <= gpus_per_node):
         try:
             check_tp(cap, tp)
         except PlanError:
             continue
         for pp in divisors(world_size // tp):
-            dp = world_size // (tp * pp)
-            if batch % (dp * microbatch_size) or pp > len(units):
+            if pp > len(units):
                 continue
-            m = batch // (dp * microbatch_size)
-            if pp > 1 and m < pp:
-                continue
-            plain = Mesh(dp, pp, tp)
-            split = hsdp_split(plain, gpus_per_node) if hsdp else None
-            for mesh in (plain, split) if split else (plain,):
-                try:
-                    decision = price(mesh, m)
-                except ValueError as e:
-                    out.append(MeshOption(mesh, m, math.inf, math.inf, False, str(e)))
+            data = world_size // (tp * pp)   # dp * cp: the ranks that split the tokens
+            cps = context_sizes(seq, data, tp=tp, sequence_parallel=sequence_parallel)[0] if seq else []
+            for cp in (1, *cps):
+                dp = data // cp
+                if batch % (dp * microbatch_size):
                     continue
-                peak, f = decision.peak_memory, decision.fields
-                out.append(MeshOption(mesh, m, decision.step_time, peak, peak <= memory_budget, zero=f["zero"],
-                                      recompute=f["recompute"], recompute_regions=len(f["recompute_regions"]),
-                                      offload=f["offload"], kept_gathered=len(f.get("keep_gathered", ())),
-                                      terms=decision.terms))
+                m = batch // (dp * microbatch_size)
+                if pp > 1 and m < pp:
+                    continue
+                if cp > 1:
+                    refused.setdefault(cp, allows_context(cap, cp))
+                    if refused[cp]:
+                        continue
+                plain = Mesh(dp, pp, tp, cp=cp)
+                split = hsdp_split(plain, gpus_per_node) if hsdp else None
+                rows = [_priced(mesh, m, price, memory_budget) for mesh in ((plain, split) if split else (plain,))]
+                out += rows
+                if any(o.fits for o in rows):
+                    break   # a larger cp does the same work per rank with more collectives (module docstring)
     if not out:
         raise PlanError(f"no (dp, pp, tp) for {world_size} devices suits this model and a batch of {batch}")
-    return sorted(out, key=lambda o: (not o.fits, o.step_time, o.peak_memory))
+    out.sort(key=lambda o: (not o.fits, o.step_time, o.peak_memory))
+    if not seq:
+        return out, "cp: none (the first input has no sequence dim)"
+    why_not = next((e for e in refused.values() if e), "")
+    return out, (f"{context_sizes(seq, world_size)[1]}; a cp is planned where the meshes of less cp with its pp "
+                 f"and tp do not fit" + (f"; the model refuses cp: {why_not}" if why_not else ""))
+
+
+def _priced(mesh: Mesh, m: int, price, memory_budget: float) -> MeshOption:
+    """The ranking's row of ``mesh`` at ``m`` microbatches: its plan's figures, or why none fits."""
+    try:
+        decision = price(mesh, m)
+    except ValueError as e:
+        return MeshOption(mesh, m, math.inf, math.inf, False, str(e))
+    peak, f = decision.peak_memory, decision.fields
+    return MeshOption(mesh, m, decision.step_time, peak, peak <= memory_budget, zero=f["zero"],
+                      recompute=f["recompute"], recompute_regions=len(f["recompute_regions"]),
+                      offload=f["offload"], kept_gathered=len(f.get("keep_gathered", ())), terms=decision.terms)
 
 
 def _choices(o: MeshOption) -> tuple[str, str, str]:
@@ -120,12 +189,13 @@ def _choices(o: MeshOption) -> tuple[str, str, str]:
     return zero, recompute, o.offload
 
 
-def ranking_table(options: list[MeshOption], limit: int = 12) -> str:
+def ranking_table(options: list[MeshOption], limit: int = 12, context: str = "") -> str:
     """The ranking as text: mesh, microbatches, the zero stage, recompute and offload its plan chose,
-    predicted step time and its terms (compute, tp / pp / dp exposed communication, pipeline
+    predicted step time and its terms (compute, tp / cp / pp / dp exposed communication, pipeline
     bubble, optimizer update: the terms the step time adds up, ``Decision.terms``), peak memory,
-    fit (the figures to the digits ``Plan.summary`` prints them with), then why the first won."""
-    head = (f"{'rank':>4s}  {'mesh (dp,pp,tp)':16s} {'microbatches':>12s} {'zero':>5s} {'recompute':>9s} "
+    fit (the figures to the digits ``Plan.summary`` prints them with), ``context`` (which cp were
+    ranked, ``rank_meshes``), then why the first won."""
+    head = (f"{'rank':>4s}  {'mesh (dp,pp,tp)':18s} {'microbatches':>12s} {'zero':>5s} {'recompute':>9s} "
             f"{'offload':>9s} {'step ms':>11s} " + " ".join(f"{t:>10s}" for t in TERMS)
             + f" {'peak GiB':>9s}  fits")
     lines = [head]
@@ -134,12 +204,15 @@ def ranking_table(options: list[MeshOption], limit: int = 12) -> str:
         peak = f"{o.peak_memory / 2**30:9.3f}" if np.isfinite(o.peak_memory) else f"{'-':>9s}"
         terms = " ".join(f"{o.terms.get(t, 0.0) * 1e3:10.3f}" if o.terms else f"{'-':>10s}" for t in TERMS)
         zero, recompute, offload = _choices(o) if o.terms else ("-", "-", "-")
-        lines.append(f"{k + 1:4d}  {mesh_name(o.mesh):16s} {o.microbatches:12d} {zero:>5s} "
+        lines.append(f"{k + 1:4d}  {mesh_name(o.mesh):18s} {o.microbatches:12d} {zero:>5s} "
                      f"{recompute:>9s} {offload:>9s} {step} {terms} {peak}  {'yes' if o.fits else 'no'}")
     if len(options) > limit:
         lines.append(f"      ... and {len(options) - limit} more")
     lines.append("      (times in ms; zero k: units kept gathered; recompute auto: regions chosen; "
-                 "dp: what prefetch leaves exposed)")
+                 "dp: what prefetch leaves exposed" + ("; (dp, pp, cpC, tp): sequences split over C ranks)"
+                                                        if any(o.mesh.cp > 1 for o in options) else ")"))
+    if context:
+        lines.append(f"      {context}")
     lines.append(ranking_reason(options))
     return "\n".join(lines)
 
@@ -163,4 +236,19 @@ def ranking_reason(options: list[MeshOption]) -> str:
         quick = min(faster, key=lambda o: o.step_time)
         text += (f"; {name(quick)} would be faster ({quick.step_time * 1e3:.3f} ms) but needs "
                  f"{quick.peak_memory / 2**30:.2f} GiB per device")
-    return text
+    return text + _cp_reason(best, options)
+
+
+def _cp_reason(best: MeshOption, options: list[MeshOption]) -> str:
+    """Why the winner splits its sequences over cp > 1 ranks: what the ranked meshes of its (pp, tp)
+    with less cp needed (``rank_meshes`` plans a larger cp only when these do not fit), or that
+    none took the batch (a larger dp needs more sequences)."""
+    if best.mesh.cp == 1:
+        return ""
+    less = [o for o in options if (o.mesh.pp, o.mesh.tp) == (best.mesh.pp, best.mesh.tp) and o.mesh.cp < best.mesh.cp]
+    text = f"; cp {best.mesh.cp} is the least cp at pp={best.mesh.pp}, tp={best.mesh.tp} that "
+    if not less:
+        return text + "the batch allows (less cp needs a larger dp, and more sequences)"
+    misses = ", ".join(f"{mesh_name(o.mesh)} needs {o.peak_memory / 2**30:.2f} GiB" if np.isfinite(o.peak_memory)
+                       else f"{mesh_name(o.mesh)} has no plan ({o.reason})" for o in less)
+    return text + f"fits ({misses})"
