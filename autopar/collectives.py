@@ -558,6 +558,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return _RingAttention.apply(q, k, v, mask, scale, group, size, rank)
 
 
+# the ways a context-parallel attention can run, by the name a Plan gives them (``Plan.cp_attention``)
+CP_ATTENTIONS = {"allgather": context_attention, "ring": ring_attention}
+
+
 def context_loss_scale(target: torch.Tensor, ignore_index: int, mean: bool, group: str, size: int) -> torch.Tensor:
     """What this cp rank's summed token loss is multiplied by so that the mean over cp (as over dp)
     of the ranks' losses is the loss of the whole sequences: ``size / tokens`` for a mean over the

@@ -196,7 +196,8 @@ def _header(plan) -> str:
         sched += f", {plan.virtual_stages} stages per rank"
     mesh = (("mesh (dp, pp, cp, tp)", f"({dp}, {pp}, {plan.cp}, {tp}) = {dp * pp * plan.cp * tp} GPUs, each sequence "
              f"split over cp={plan.cp} ranks") if plan.cp > 1 else ("mesh (dp, pp, tp)", f"({dp}, {pp}, {tp}) = {dp * pp * tp} GPUs"))
-    facts = [mesh, ("device", plan.device),
+    cp = [("cp attention", plan.cp_attention)] if plan.cp > 1 else []
+    facts = [mesh, *cp, ("device", plan.device),
              ("schedule", sched if pp > 1 else f"no pipeline, {plan.microbatches} microbatch(es)"),
              ("sequence parallel", "on" if plan.sequence_parallel else "off"), ("ZeRO", _zero_fact(plan)),
              ("recompute", f"{plan.recompute} ({len(plan.recompute_regions)} regions)"),
