@@ -125,24 +125,29 @@ def _meta(cfg):
         return GPT(cfg)
 
 
-def _plan(seq, cp=2, **knobs):
-    cfg = GPTConfig(vocab_size=512, block_size=seq, n_layer=2, n_head=8, n_embd=512)
-    return autopar.plan(_meta(cfg), {"cp": cp}, example_inputs(cfg, 1, seq, device="meta"), device="h100", **knobs)
+def _plan(seq, cp=2, batch=1, width=512, **knobs):
+    cfg = GPTConfig(vocab_size=512, block_size=seq, n_layer=2, n_head=8, n_embd=width)
+    return autopar.plan(_meta(cfg), {"cp": cp}, example_inputs(cfg, batch, seq, device="meta"), device="h100", **knobs)
+
+
+LONG, SHORT = dict(seq=16384), dict(seq=256, batch=16, width=2048)   # one sequence of 16k tokens; 16 short ones
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_planner_picks_ring_where_its_transfers_hide(cp):
-    """At 16k tokens a block's attention outlasts its transfer over NVLink: ring exposes only its
-    last gradient hop, less than the all-gathers; at 256 tokens the blocks compute in less than a
-    transfer and ring's 2cp-1 latency-bound steps cost more than the all-gathers."""
-    long, short = _plan(16384, cp), _plan(256, cp)
+    """One sequence of 16k tokens: a block's attention outlasts its transfer over NVLink, so ring
+    exposes little more than its last gradient hop, less than the all-gathers. 16 sequences of 256
+    tokens at width 2048: as many keys and values, computed in far less than their transfer, and the
+    ring sends each block on 2cp-1 times and its fp32 gradient cp times where the all-gathers and
+    reduce-scatters move (cp-1)/cp of them twice: the all-gather is cheaper."""
+    long, short = _plan(cp=cp, **LONG), _plan(cp=cp, **SHORT)
     assert long.cp_attention == "ring" and short.cp_attention == "allgather"
-    for plan, other in ((long, "allgather"), (short, "ring")):
-        forced = _plan(plan.input_shapes[0][1], cp, cp_attention=other)
+    for plan, shape, other in ((long, LONG, "allgather"), (short, SHORT, "ring")):
+        forced = _plan(cp=cp, cp_attention=other, **shape)
         assert forced.cp_attention == other
         assert plan.predicted_comm_s < forced.predicted_comm_s
         assert any(n.startswith(f"cp attention chosen automatically: {plan.cp_attention}") for n in plan.notes)
-    ring, gathered = long, _plan(16384, cp, cp_attention="allgather")
+    ring, gathered = long, _plan(cp=cp, cp_attention="allgather", **LONG)
     # ring keeps no gathered keys and values: the whole sequence's K and V, 2 layers x batch 1 x 16384 x 512 x 4 B
     kv = 2 * 2 * 16384 * 512 * 4
     assert gathered.memory[0].activations - ring.memory[0].activations == pytest.approx(kv)
