@@ -383,7 +383,7 @@ def _ring_launch(x: torch.Tensor, group: str, size: int, rank: int) -> torch.Ten
 
 def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """(..., heads, s, d) -> (..., kv_heads, heads / kv_heads, s, d): GQA's query groups beside their key head."""
-    return x.unflatten(-3, (kv_heads, x.shape[-3] // kv_heads))
+    return x.reshape(x.shape[:-3] + (kv_heads, x.shape[-3] // kv_heads) + x.shape[-2:])
 
 
 def _grouped_mask(mask: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
@@ -452,6 +452,17 @@ class _Ring:
         return s
 
 
+def _strides_like(x: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
+    """Dense strides for ``shape`` whose dims lie in memory in the order of ``x``'s (as sdpa lays out
+    its output after its query's: a model's ``out.transpose(1, 2).view(...)`` relies on it)."""
+    order = sorted(range(x.dim()), key=lambda i: -x.stride(i))   # outermost first
+    strides, step = [0] * x.dim(), 1
+    for i in reversed(order):
+        strides[i] = step
+        step *= shape[i]
+    return tuple(strides)
+
+
 def _finite(m: torch.Tensor) -> torch.Tensor:
     """A running row maximum with -inf (every key masked so far) read as 0, so that exp(s - m) is 0, not nan."""
     return torch.where(torch.isinf(m), torch.zeros_like(m), m)
@@ -493,8 +504,10 @@ class _RingAttention(torch.autograd.Function):
                 m[i] = new
             if pending is not None:
                 block = _ops.wait_tensor(pending)
-        # a tensor of its own, not a view of one (see _own), in the queries' dtype: kept for the backward
-        out = torch.cat([(a / d).flatten(-4, -3) for a, d in zip(acc, denom)], -2).to(q.dtype)
+        # in the queries' layout and dtype, as sdpa's; a tensor of its own, not a view (see _own)
+        merged = torch.cat([(a / d).flatten(-4, -3) for a, d in zip(acc, denom)], -2)
+        out = torch.empty_strided(merged.shape, _strides_like(q, merged.shape), dtype=q.dtype, device=q.device)
+        out.copy_(merged)
         lse = torch.cat([mi + torch.log(d) for mi, d in zip(m, denom)], -2)
         ctx.ring = ring
         ctx.save_for_backward(q, k, v, out, lse, mask)
