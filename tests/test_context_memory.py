@@ -15,7 +15,9 @@ this quantity (at cp=1 the eager step keeps the plan's figure within 0.1%), and 
 gathered keys and values, the queries) are tensors a compiled backward needs too, not cheaper to
 recompute (a gather communicates), so the cheaper eager step is measured; not checked compiled. Measured (bytes per rank, kept / predicted): cp=1
 2349572 / 2347520, cp=2 1453320 / 1435904 (+1.2%), cp=4 857736 / 849024 (+1.0%); the rest is the
-causal-mask rows and cut token ids ``cost_model.context`` leaves out.
+causal-mask rows and cut token ids ``cost_model.context`` leaves out. With ring attention
+(cp_attention="ring": no gathered keys and values, no mask rows): cp=2 1174792 / 1173760 (+0.09%),
+cp=4 587400 / 586880 (+0.09%), 1/cp of cp=1's.
 
 Offline (meta device): the per-layer activations the plan derives from the traced graph at cp=c
 are the whole-sequence layer's (Korthikanti et al. 2022, Table 2, with fused attention: nothing
