@@ -3,7 +3,8 @@ all-gather-KV variant (``Plan.cp_attention``).
 
 On gloo ranks (cp=2 and 4), the op alone against sdpa on the unsharded sequence in fp64, forward and
 the gradients of q, k and v: causal, GQA (fewer key/value heads, ``enable_gqa``), a given ``scale``, a
-boolean position mask (a sliding window) and an additive one. The same inputs cut into contiguous
+boolean position mask (a sliding window) and an additive one; the example GPT with ring attention
+through torch.compile (aot_eager) against the unsharded model. The same inputs cut into contiguous
 chunks instead of each rank's head and tail chunk (``rank_chunks``) must not match. Offline: the
 ring's schedule computes every causal pair of chunks exactly once, with the same work at every step
 on every rank; the planner picks ring where its transfers hide behind the blocks' compute and the
@@ -86,6 +87,34 @@ def test_ring_needs_each_ranks_head_and_tail_chunk(world):
     """Fed contiguous shares of the sequence, the ring computes the wrong pairs: the check above can fail."""
     worst = max(max(errors) for per_case in JOBS[(world, "contiguous")].result() for errors in per_case)
     assert worst > 1e-2
+
+
+TINY = GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_embd=32)
+
+
+def _compiled_gpt(rank, world):
+    """Loss and gathered gradients of the example GPT at cp=2 with ring attention through torch.compile."""
+    torch.manual_seed(0)
+    inputs = example_inputs(TINY, 4, 16)
+    pm = autopar.parallelize(GPT(TINY), {"cp": world}, inputs, compile="aot_eager", device="cpu",
+                             cp_attention="ring")
+    return pm.train_step(*inputs).item(), pm.full_grads()
+
+
+COMPILED = pool.job(2, _compiled_gpt, timeout=300)
+
+
+def test_ring_compiles():
+    """torch.compile (aot_eager) traces the ring's autograd.Function and its functional collectives: the
+    compiled step matches the unsharded model's loss and every gradient."""
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    loss = model(*example_inputs(TINY, 4, 16))
+    loss.backward()
+    for got, grads in COMPILED.result():
+        assert got == pytest.approx(loss.item(), rel=1e-5)
+        for fqn, p in model.named_parameters(remove_duplicate=False):
+            torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=fqn)
 
 
 @pytest.mark.parametrize("size", [2, 3, 4, 8])
