@@ -19,9 +19,13 @@ Sums run in fp32: an all-reduce or reduce-scatter of a bf16 or fp16 tensor (forw
 backward's gradient) upcasts it first and casts the sum back, so partial sums do not
 each lose the bits a 16-bit mantissa cannot hold. Gathers move the tensor as it is.
 
+Ring attention (``ring_attention``) passes key/value blocks between neighbouring cp ranks with
+``all_to_all_single`` (one non-empty split each way), launched before the block's compute and
+waited after it.
+
 Version note: the raw ``_c10d_functional`` op names used here (all_reduce,
-all_gather_into_tensor, reduce_scatter_tensor, wait_tensor) are the same in torch
-2.11-2.14; the Python-level wrappers in ``_functional_collectives`` were renamed
+all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, wait_tensor) are the same in
+torch 2.11-2.14; the Python-level wrappers in ``_functional_collectives`` were renamed
 (``*_tensor`` -> ``*_single``), which is why they are not used.
 """
 from __future__ import annotations

@@ -80,8 +80,9 @@ def check_sequence(seq: int, cp: int, tp: int = 1, sequence_parallel: bool = Fal
 def cp_pass(gm: GraphModule, *, size: int, rank: int, group: str, seq: int, attention: str = "allgather") -> GraphModule:
     """Run every parameter-dependent op on cp rank ``rank``'s two chunks of each ``seq``-token sequence."""
     check_sequence(seq, size)
-    if attention == "ring" and ring_refusal(gm):
-        raise ContextParallelError(f"cp_attention='ring': {ring_refusal(gm)}")
+    refused = ring_refusal(gm) if attention == "ring" else None
+    if refused:
+        raise ContextParallelError(f"cp_attention='ring': {refused}")
     out = copy_graph(gm)
     g = out.graph
     inputs = [n for n in g.nodes if n.op == "placeholder" and n.meta.get("kind") == "input"]
