@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-gathered", default="auto", metavar="auto|none|UNITS",
                    help="zero=3: auto keeps gathered from forward to backward the units that fit the memory budget; "
                         "none reshards every unit after its forward; or comma-separated unit names (default auto)")
+    p.add_argument("--cp-attention", default="auto", choices=["auto", "allgather", "ring"],
+                   help="with a cp axis: allgather gathers the keys and values whole; ring passes their blocks around "
+                        "the cp ranks, each transfer overlapping a block's compute; auto: the cheaper (default auto)")
     p.add_argument("--memory-budget", metavar="SIZE",
                    help="bytes per device the plan must fit, e.g. 60GiB (default: the device's memory); what "
                         "--zero, --offload and --recompute auto fit in")
@@ -229,7 +232,7 @@ def _plan(args) -> int:
                             world_size=args.gpus, gpus_per_node=args.gpus_per_node, schedule=args.schedule,
                             microbatches=args.microbatches, precision=args.precision, recompute=args.recompute,
                             offload=args.offload, memory_budget=args.memory_budget,
-                            keep_gathered=_keep_gathered(args.keep_gathered))
+                            keep_gathered=_keep_gathered(args.keep_gathered), cp_attention=args.cp_attention)
     plan = dataclasses.replace(plan, model=args.config)   # lets `diff` re-derive it
     print(plan.summary())
     for warning in plan.warnings:   # the summary's last lines too, but stdout may go to a file

@@ -22,7 +22,8 @@ def plan(model, mesh, example_inputs, *, device="h100", gpus_per_node=8, world_s
     {"dp_replicate", "dp_shard"} for HSDP: ZeRO shards over dp_shard and all-reduces across the
     replicas; ``autopar.Mesh.parse``) or "auto" (then ``world_size`` devices are ranked; the ranking
     is in the plan's notes). ``knobs`` are parallelize's: plan, sequence_parallel, recompute,
-    memory_budget, schedule, microbatches, zero, offload, stages, virtual_stages, precision, keep_gathered."""
+    memory_budget, schedule, microbatches, zero, offload, stages, virtual_stages, precision, keep_gathered,
+    cp_attention."""
     return decide(model, mesh, example_inputs, device=device, gpus_per_node=gpus_per_node, world_size=world_size,
                   **knobs)[2]
 
@@ -52,7 +53,7 @@ def default_gpus_per_node() -> int:
 def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto", recompute="none",
                 memory_budget=None, schedule="1F1B", microbatches=None, zero=0, offload="none", compile=True,
                 device=None, gpus_per_node=None, stages=None, virtual_stages=None, precision="fp32",
-                loss_kernel="auto", keep_gathered="auto"):
+                loss_kernel="auto", keep_gathered="auto", cp_attention="auto"):
     """Plan ``model`` for ``mesh`` and build this rank's parallel program.
 
     Call it on every rank of an initialised process group (``torchrun``, or
@@ -80,6 +81,9 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
     scaling). A given plan runs at its own precision (``autopar.runtime.precision``).
     ``keep_gathered`` (zero=3): "auto" keeps gathered from forward to backward the units that fit
     the memory budget; a list of unit names keeps those; () reshards every unit (``decide``).
+    ``cp_attention`` (cp > 1): how attention runs over cp: "allgather" (keys and values gathered
+    whole), "ring" (ring attention: key/value blocks passed around the cp ranks, each transfer
+    overlapping a block's compute) or "auto", the one the cost model finds cheaper (``decide``).
     ``loss_kernel``: route a cross-entropy over 2-D logits (tp = 1) through autopar's one-read
     kernel (``autopar.kernels.cross_entropy``); "auto" does where it pays, when compiling with
     Inductor on CUDA with Triton; True always (its torch reference off CUDA); False never."""
@@ -101,7 +105,8 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
                  schedule=schedule, microbatches=microbatches, zero=zero, offload=offload,
                  device=device or default_device(),
                  gpus_per_node=gpus_per_node or default_gpus_per_node(),
-                 stages=stages, virtual_stages=virtual_stages, precision=precision, keep_gathered=keep_gathered)
+                 stages=stages, virtual_stages=virtual_stages, precision=precision, keep_gathered=keep_gathered,
+                 cp_attention=cp_attention)
     # rank 0 plans once; the others capture the same graph and take its strategies from the plan,
     # pricing nothing (they would only repeat rank 0's figures and its capture warnings)
     box, decided, failure = [None], None, None

@@ -19,9 +19,13 @@ Sums run in fp32: an all-reduce or reduce-scatter of a bf16 or fp16 tensor (forw
 backward's gradient) upcasts it first and casts the sum back, so partial sums do not
 each lose the bits a 16-bit mantissa cannot hold. Gathers move the tensor as it is.
 
+Ring attention (``ring_attention``) passes key/value blocks between neighbouring cp ranks with
+``all_to_all_single`` (one non-empty split each way), launched before the block's compute and
+waited after it.
+
 Version note: the raw ``_c10d_functional`` op names used here (all_reduce,
-all_gather_into_tensor, reduce_scatter_tensor, wait_tensor) are the same in torch
-2.11-2.14; the Python-level wrappers in ``_functional_collectives`` were renamed
+all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, wait_tensor) are the same in
+torch 2.11-2.14; the Python-level wrappers in ``_functional_collectives`` were renamed
 (``*_tensor`` -> ``*_single``), which is why they are not used.
 """
 from __future__ import annotations
@@ -367,6 +371,212 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         mask = positions[:, None] >= torch.arange(whole, device=q.device)[None, :]
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                           enable_gqa=enable_gqa)
+
+
+# ---- ring attention over cp: key/value blocks passed around the ring, one per step ------------------
+
+def _ring_launch(x: torch.Tensor, group: str, size: int, rank: int) -> torch.Tensor:
+    """Send ``x`` (flattened) to the next cp rank and receive the previous rank's, launched and not
+    waited: an all-to-all whose only non-empty splits are those two (torch's own context parallel
+    shifts blocks so too), a functional collective that compiles and runs on gloo and NCCL alike."""
+    n = x.numel()
+    send = [n if i == (rank + 1) % size else 0 for i in range(size)]
+    recv = [n if i == (rank - 1) % size else 0 for i in range(size)]
+    return _ops.all_to_all_single(x.reshape(-1).contiguous(), recv, send, group)
+
+
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(..., heads, s, d) -> (..., kv_heads, heads / kv_heads, s, d): GQA's query groups beside their key head."""
+    return x.reshape(x.shape[:-3] + (kv_heads, x.shape[-3] // kv_heads) + x.shape[-2:])
+
+
+def _grouped_mask(mask: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """A mask broadcastable to (..., heads, sq, sk) made broadcastable to ``_grouped``'s layout."""
+    if mask.dim() < 3:
+        return mask
+    return _grouped(mask, kv_heads) if mask.shape[-3] == heads else mask.unsqueeze(-3)
+
+
+def _cut(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """``x.narrow`` unless ``dim`` is broadcast (size 1)."""
+    return x if x.shape[dim] == 1 else x.narrow(dim, start, length)
+
+
+class _Ring:
+    """What a ring-attention step needs: the chunk layout and the pairs of chunks that interact.
+
+    The rank's queries are its chunks (rank, 2·size-1-rank) of the sequence; at step t it holds the
+    key/value block of cp rank src = rank - t (mod size), that rank's chunks in the same order.
+    A query chunk of global index a against a key chunk b is: full (b < a), causal on its diagonal
+    (b == a), or skipped (b > a); with a mask instead of is_causal every pair is computed under the
+    mask (its rows are the rank's queries, its columns the whole sequence in order)."""
+
+    def __init__(self, q, k, v, masked: bool, scale, group, size, rank):
+        self.kv_heads = k.shape[-3]
+        self.masked, self.group, self.size, self.rank = masked, group, size, rank
+        self.c = q.shape[-2] // 2   # tokens per chunk
+        self.scale = q.shape[-1] ** -0.5 if scale is None else scale
+        self.k_shape, self.v_shape = k.shape, v.shape
+
+    def chunks(self, owner: int) -> tuple[int, int]:
+        return owner, 2 * self.size - 1 - owner
+
+    def pairs(self, t: int):
+        """(query chunk, key chunk, global key chunk, causal diagonal) computed at step ``t``."""
+        src = (self.rank - t) % self.size
+        for i, a in enumerate(self.chunks(self.rank)):
+            for j, b in enumerate(self.chunks(src)):
+                if self.masked:
+                    yield i, j, b, False
+                elif b <= a:
+                    yield i, j, b, b == a
+
+    def pack(self, k, v) -> torch.Tensor:
+        return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+    def unpack(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        nk = self.k_shape.numel()
+        k = block[:nk].view(self.k_shape).unsqueeze(-3)
+        v = block[nk:].view(self.v_shape).unsqueeze(-3)
+        return k, v
+
+    def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        return x.narrow(-2, i * self.c, self.c)
+
+    def scores(self, q, k, mask, i: int, b: int, diagonal: bool) -> torch.Tensor:
+        """Scaled scores of query chunk ``i`` against key chunk ``k`` (global index ``b``) under ``mask``
+        (``_grouped_mask``'s, or None), -inf where masked."""
+        s = (self.part(q, i) @ k.transpose(-1, -2)) * self.scale
+        if diagonal:
+            keep = torch.ones(self.c, self.c, dtype=torch.bool, device=s.device).tril()
+            s = s.masked_fill(~keep, float("-inf"))
+        if mask is not None:
+            m = _cut(_cut(mask, -2, i * self.c, self.c), -1, b * self.c, self.c)
+            s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
+        return s
+
+
+def _strides_like(x: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
+    """Dense strides for ``shape`` whose dims lie in memory in the order of ``x``'s (as sdpa lays out
+    its output after its query's: a model's ``out.transpose(1, 2).view(...)`` relies on it)."""
+    order = sorted(range(x.dim()), key=lambda i: -x.stride(i))   # outermost first
+    strides, step = [0] * x.dim(), 1
+    for i in reversed(order):
+        strides[i] = step
+        step *= shape[i]
+    return tuple(strides)
+
+
+def _finite(m: torch.Tensor) -> torch.Tensor:
+    """A running row maximum with -inf (every key masked so far) read as 0, so that exp(s - m) is 0, not nan."""
+    return torch.where(torch.isinf(m), torch.zeros_like(m), m)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal attention of the rank's queries over every rank's keys and values, passed around the cp ring.
+
+    Forward: cp steps; at each the block for the next step is launched before this block's scores
+    are computed, so the transfer overlaps them; the blocks' partial results merge by their
+    log-sum-exp (the online softmax). Backward: the blocks go around again, and the gradient of
+    each block's keys and values travels with it, one step behind, each rank adding its queries'
+    share, until a last step hands it back to the block's owner. Math in fp32 (fp64 for fp64); only the rank's
+    q, k, v, the output and the log-sum-exp are kept (flash attention's saved set)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale, group, size, rank):
+        ring = _Ring(q, k, v, mask is not None, scale, group, size, rank)
+        grouped = None if mask is None else _grouped_mask(mask, q.shape[-3], ring.kv_heads)
+        work = torch.promote_types(q.dtype, torch.float32)
+        qg = _grouped(q.to(work), ring.kv_heads)
+        block = ring.pack(k, v)
+        rows = [qg.shape[:-2] + (ring.c, 1)] * 2
+        m = [torch.full(r, float("-inf"), dtype=work, device=q.device) for r in rows]
+        denom = [torch.zeros(r, dtype=work, device=q.device) for r in rows]
+        acc = [torch.zeros(qg.shape[:-2] + (ring.c, v.shape[-1]), dtype=work, device=q.device) for _ in rows]
+        for t in range(size):
+            pending = _ring_launch(block, group, size, rank) if t < size - 1 else None
+            kb, vb = ring.unpack(block)
+            kb, vb = kb.to(work), vb.to(work)
+            for i, j, b, diagonal in ring.pairs(t):
+                s = ring.scores(qg, ring.part(kb, j), grouped, i, b, diagonal)
+                new = torch.maximum(m[i], s.amax(-1, keepdim=True))
+                shift = _finite(new)
+                p = torch.exp(s - shift)
+                alpha = torch.exp(m[i] - shift)
+                denom[i] = denom[i] * alpha + p.sum(-1, keepdim=True)
+                acc[i] = acc[i] * alpha + p @ ring.part(vb, j)
+                m[i] = new
+            if pending is not None:
+                block = _ops.wait_tensor(pending)
+        # in the queries' layout and dtype, as sdpa's; a tensor of its own, not a view (see _own)
+        merged = torch.cat([(a / d).flatten(-4, -3) for a, d in zip(acc, denom)], -2)
+        out = torch.empty_strided(merged.shape, _strides_like(q, merged.shape), dtype=q.dtype, device=q.device)
+        out.copy_(merged)
+        lse = torch.cat([mi + torch.log(d) for mi, d in zip(m, denom)], -2)
+        ctx.ring = ring
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        ring = ctx.ring
+        group, size, rank = ring.group, ring.size, ring.rank
+        grouped = None if mask is None else _grouped_mask(mask, q.shape[-3], ring.kv_heads)
+        work = lse.dtype
+        qg = _grouped(q.to(work), ring.kv_heads)
+        go = _grouped(g.to(work), ring.kv_heads)
+        out = _grouped(out.to(work), ring.kv_heads)
+        d = (go * out).sum(-1, keepdim=True)   # rowsum(dO * O): the softmax backward's correction
+        dq = torch.zeros_like(qg)
+        block = ring.pack(k, v)
+        passed = None   # the previous step's key/value gradients, on their way to the next rank
+        for t in range(size):
+            pending = _ring_launch(block, group, size, rank) if t < size - 1 else None
+            kb, vb = ring.unpack(block)
+            kb, vb = kb.to(work), vb.to(work)
+            dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
+            for i, j, b, diagonal in ring.pairs(t):
+                kj, vj = ring.part(kb, j), ring.part(vb, j)
+                p = torch.exp(ring.scores(qg, kj, grouped, i, b, diagonal) - ring.part(lse, i))
+                gi = ring.part(go, i)
+                ds = p * (gi @ vj.transpose(-1, -2) - ring.part(d, i)) * ring.scale
+                dq[..., i * ring.c:(i + 1) * ring.c, :] += ds @ kj
+                dk[..., j * ring.c:(j + 1) * ring.c, :] += (ds.transpose(-1, -2) @ ring.part(qg, i)).sum(-3, True)
+                dv[..., j * ring.c:(j + 1) * ring.c, :] += (p.transpose(-1, -2) @ gi).sum(-3, True)
+            grads = ring.pack(dk, dv)
+            if passed is not None:
+                grads = grads + _ops.wait_tensor(passed)
+            passed = _ring_launch(grads, group, size, rank)
+            if pending is not None:
+                block = _ops.wait_tensor(pending)
+        dk, dv = ring.unpack(_ops.wait_tensor(passed))   # every rank's share of this rank's own block
+        return (dq.flatten(-4, -3).to(q.dtype), dk.squeeze(-3).to(k.dtype), dv.squeeze(-3).to(v.dtype),
+                None, None, None, None, None)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   dropout_p: float, scale: float | None, enable_gqa: bool, group: str, size: int,
+                   rank: int) -> torch.Tensor:
+    """``context_attention``'s result by ring attention: this cp rank's queries (its two chunks, dim -2)
+    against every rank's key/value block, passed around the cp ring (``_RingAttention``), the next
+    block's transfer overlapping this block's compute; no rank holds the whole sequence's keys.
+    ``mask`` None: causal, the pairs of chunks above the diagonal skipped; else the rank's query rows
+    of a boolean or additive mask over every key in order. GQA: fewer key/value heads than query
+    heads (``enable_gqa``), each serving a group of consecutive query heads, as sdpa's."""
+    if q.dim() < 3:
+        raise ValueError(f"ring attention needs (..., heads, sequence, head dim) queries, got {list(q.shape)}")
+    if dropout_p:
+        raise ValueError(f"ring attention has no dropout (dropout_p={dropout_p}); use the all-gather variant "
+                         "(cp_attention='allgather') or attention dropout 0")
+    if k.shape[-3] != q.shape[-3] and (not enable_gqa or q.shape[-3] % k.shape[-3]):
+        raise ValueError(f"ring attention: {q.shape[-3]} query heads and {k.shape[-3]} key/value heads; they must "
+                         "be equal, or a multiple with enable_gqa=True")
+    return _RingAttention.apply(q, k, v, mask, scale, group, size, rank)
+
+
+# the ways a context-parallel attention can run, by the name a Plan gives them (``Plan.cp_attention``)
+CP_ATTENTIONS = {"allgather": context_attention, "ring": ring_attention}
 
 
 def context_loss_scale(target: torch.Tensor, ignore_index: int, mean: bool, group: str, size: int) -> torch.Tensor:

@@ -213,7 +213,8 @@ def _header(plan) -> str:
     sched = f"{plan.schedule}, {plan.microbatches} microbatches"
     if plan.virtual_stages > 1:
         sched += f", {plan.virtual_stages} stages per rank"
-    facts = [_mesh_fact(plan), ("device", plan.device),
+    cp = [("cp attention", plan.cp_attention)] if plan.cp > 1 else []
+    facts = [_mesh_fact(plan), *cp, ("device", plan.device),
              ("schedule", sched if pp > 1 else f"no pipeline, {plan.microbatches} microbatch(es)"),
              ("sequence parallel", "on" if plan.sequence_parallel else "off"), ("ZeRO", _zero_fact(plan)),
              ("recompute", f"{plan.recompute} ({len(plan.recompute_regions)} regions)"),

@@ -12,6 +12,7 @@ from collections import defaultdict
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
+from autopar.collectives import CP_ATTENTIONS
 from autopar.cost_model.step import step_time
 from autopar.errors import PlanFormatError
 from autopar.mesh import AXIS_ORDER, Mesh
@@ -122,6 +123,7 @@ class Plan:
     warnings: tuple[str, ...] = ()  # an axis doing no work, a peak above the device: derived anew at every planning
     dp_replicate: int = 1           # HSDP: dp = dp_replicate x dp_shard; ZeRO shards over dp_shard, all-reduces across replicas
     cp: int = 1                     # context parallelism: each sequence split over cp ranks (2·cp chunks); 1 in older files
+    cp_attention: str = "allgather"   # how attention runs over cp: "allgather" (K, V gathered) or "ring" (blocks passed on)
 
     @property
     def dp_shard(self) -> int:
@@ -139,6 +141,9 @@ class Plan:
                                   f"dp={self.mesh[0]} (dp = dp_replicate x dp_shard)")
         if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
             raise PlanFormatError(f"plan.cp {self.cp!r}: expected a positive integer (the context-parallel degree)")
+        if self.cp_attention not in CP_ATTENTIONS:
+            raise PlanFormatError(f"plan.cp_attention {self.cp_attention!r}: expected "
+                                  f"{' or '.join(map(repr, CP_ATTENTIONS))}")
         why = offload_limit(self.offload, self.precision, self.zero, self.mesh, self.microbatches)
         if why:
             raise PlanFormatError(f"plan.offload: {why}")
@@ -223,7 +228,7 @@ class Plan:
         strategies, collectives (count and bytes per place), stages, memory, predicted time.
         Returns "no differences" when the two plans decide the same things."""
         out: list[str] = []
-        for f in ("mesh", "dp_replicate", "cp", "input_shapes", "sequence_parallel", "zero", "keep_gathered", "offload", "microbatches",
+        for f in ("mesh", "dp_replicate", "cp", "cp_attention", "input_shapes", "sequence_parallel", "zero", "keep_gathered", "offload", "microbatches",
                   "schedule", "virtual_stages", "recompute", "precision", "device"):
             a, b = getattr(self, f), getattr(other, f)
             if a != b:
@@ -265,7 +270,7 @@ class Plan:
                  f"  microbatch input shapes {list(map(list, self.input_shapes))}, microbatches "
                  f"{self.microbatches}, sequence parallel {'on' if self.sequence_parallel else 'off'}, "
                  f"ZeRO-{self.zero}{_zero_axes(self.zero, mesh)}{_kept_gathered(self.keep_gathered)}{_offloaded(self.offload)}, "
-                 f"precision {PRECISION_NOTES[self.precision]}",
+                 f"precision {PRECISION_NOTES[self.precision]}{_cp_attention_text(self.cp, self.cp_attention)}",
                  "  placements: R replicated, P partial sum, S(d) sharded on dim d, "
                  "S(d)ik interleaved: dim d is k blocks (fused q,k,v) and each rank holds its slice of each",
                  "", "Parameters (placement per axis, local shape):"]
@@ -306,6 +311,15 @@ class Plan:
         lines += [f"Note: {n}" for n in self.notes]
         lines += [f"Warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+def _cp_attention_text(cp: int, attention: str) -> str:
+    """How attention runs over cp, for the summary (nothing without cp)."""
+    if cp == 1:
+        return ""
+    how = {"allgather": "keys and values all-gathered over cp",
+           "ring": "ring attention, key/value blocks passed around cp"}[attention]
+    return f", attention over cp: {attention} ({how})"
 
 
 def _significant(x: float) -> str:

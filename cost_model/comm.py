@@ -45,6 +45,14 @@ def collective_bytes_on_wire(kind: str, nbytes: float, n: int) -> float:
     return mult * (n - 1) / n * nbytes
 
 
+def send_recv_time(nbytes: float, dev: DeviceSpec, inter_node: bool = False) -> float:
+    """Seconds for every rank of a ring to send ``nbytes`` to its next rank while receiving as many
+    from its previous one: one step of a ring all-gather, priced with the all-gather's (latency,
+    bandwidth) on that tier (ring attention's block transfer)."""
+    alpha, bw = dev.collective_params("all_gather", inter_node)
+    return nbytes / bw + alpha
+
+
 def summed_bytes(kind: str, nbytes: float, dtype: torch.dtype | None) -> float:
     """Bytes a ``kind`` collective moves for a tensor of ``nbytes`` at ``dtype``: an all-reduce or
     reduce-scatter of a bf16/fp16 tensor is upcast and summed in fp32, so it moves twice ``nbytes``;

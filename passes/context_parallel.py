@@ -18,9 +18,11 @@ What runs where. The graph is split by one question: does a value depend on a pa
 - Every parameter-dependent op runs on the rank's tokens: reshapes, expands and unflattens get
   their sizes from the local input (the sequence factor of each group of dims shrinks by cp).
 - Attention (causal sdpa, or sdpa with a mask that depends on positions only, which Hugging Face
-  Llama builds) becomes ``collectives.context_attention``: the keys and values are all-gathered
-  over cp in sequence order, the rank's queries stay local, and the mask is the rank's rows of
-  the causal mask (or of the model's own mask). The backward reduce-scatters dK and dV.
+  Llama builds) becomes the plan's variant (``collectives.CP_ATTENTIONS``), the rank's queries
+  local and the model's mask, if any, cut to the rank's rows: "allgather",
+  ``collectives.context_attention``, all-gathers the keys and values over cp in sequence order
+  (the backward reduce-scatters dK and dV); "ring", ``collectives.ring_attention``, passes each
+  rank's key/value block around the cp ring (no dropout: ``ring_refusal``).
 - The loss: a mean cross-entropy becomes this rank's token sum times ``cp / tokens`` (tokens
   counted on every cp rank, ``ignore_index`` left out), so that the runtime's mean over dp x cp of
   the ranks' losses, and of their gradients, is the whole batch's (``context_loss_scale``).
@@ -76,9 +78,12 @@ def check_sequence(seq: int, cp: int, tp: int = 1, sequence_parallel: bool = Fal
                                f"{', '.join(map(str, valid)) or 'none (use cp=1)'}")
 
 
-def cp_pass(gm: GraphModule, *, size: int, rank: int, group: str, seq: int) -> GraphModule:
+def cp_pass(gm: GraphModule, *, size: int, rank: int, group: str, seq: int, attention: str = "allgather") -> GraphModule:
     """Run every parameter-dependent op on cp rank ``rank``'s two chunks of each ``seq``-token sequence."""
     check_sequence(seq, size)
+    refused = ring_refusal(gm) if attention == "ring" else None
+    if refused:
+        raise ContextParallelError(f"cp_attention='ring': {refused}")
     out = copy_graph(gm)
     g = out.graph
     inputs = [n for n in g.nodes if n.op == "placeholder" and n.meta.get("kind") == "input"]
@@ -99,9 +104,19 @@ def cp_pass(gm: GraphModule, *, size: int, rank: int, group: str, seq: int) -> G
                 made[(u, dim)].meta.update(module_path=consumer.meta.get("module_path", ""), val=u.meta["val"])
                 out.meta["cp_cuts"][made[(u, dim)].name] = consumer.name
             consumer.replace_input_with(u, made[(u, dim)])
-    _localize(out, local | set(made.values()), size, rank, group, seq)
+    _localize(out, local | set(made.values()), size, rank, group, seq, C.CP_ATTENTIONS[attention])
     out.recompile()
     return out
+
+
+def ring_refusal(gm: GraphModule) -> str | None:
+    """Why ring attention cannot run ``gm``'s attention (a sentence naming the module), None when it can."""
+    for n in gm.graph.nodes:
+        if n.target is aten.scaled_dot_product_attention.default:
+            dropout = n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0)
+            if dropout:
+                return f"the attention in {_where(n)} has dropout_p={dropout}, which ring attention does not apply"
+    return None
 
 
 def cp_cuts(gm: GraphModule) -> dict[str, str]:
@@ -184,7 +199,7 @@ def _cuts(g, local: set[Node], labels, free: set[Node], seq: int) -> dict[Node, 
     return cuts
 
 
-def _localize(gm: GraphModule, local: set[Node], size: int, rank: int, group: str, seq: int) -> None:
+def _localize(gm: GraphModule, local: set[Node], size: int, rank: int, group: str, seq: int, attention) -> None:
     """Give every local node the arguments and traced value (``meta["val"]``) of its sequence shard,
     in graph order; attention and the loss become their context-parallel forms."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -209,13 +224,13 @@ def _localize(gm: GraphModule, local: set[Node], size: int, rank: int, group: st
                 if n.target in _RESHAPES or n.target is aten.expand.default or n.target is aten.unflatten.int:
                     _resize(n, old_in, new_in, seq)
                 elif n.target is aten.scaled_dot_product_attention.default:
-                    _attention(n, size, rank, group)
+                    _attention(n, size, rank, group, attention)
                 elif n.target is aten.cross_entropy_loss.default:
                     n = _loss(gm, n, size, group, fake)
             args = map_arg(n.args, val)
             kwargs = map_arg(n.kwargs, val)
             try:
-                if n.target is C.context_attention:
+                if n.target is attention:
                     fake[n] = torch.empty_like(args[0])
                 elif n.target is C.context_loss_scale:
                     fake[n] = torch.empty((), dtype=torch.float32, device=args[0].device)
@@ -297,8 +312,8 @@ def _resize(n: Node, old_in: dict, new_in: dict, seq: int) -> None:
     n.args = tuple(args)
 
 
-def _attention(n: Node, size: int, rank: int, group: str) -> None:
-    """sdpa -> ``context_attention``: keys and values gathered over cp, the rank's rows of the mask."""
+def _attention(n: Node, size: int, rank: int, group: str, attention) -> None:
+    """sdpa -> ``attention`` (a ``collectives.CP_ATTENTIONS`` variant), the rank's rows of the mask."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
     given = {**dict(zip(names, n.args)), **n.kwargs}
     mask, causal = given.get("attn_mask"), given.get("is_causal", False)
@@ -306,7 +321,7 @@ def _attention(n: Node, size: int, rank: int, group: str) -> None:
         raise ContextParallelError(f"the attention in {_where(n)} is not causal (no mask, is_causal=False): every "
                                    "token sees the whole sequence; context parallelism supports causal attention "
                                    "only: use cp=1")
-    n.target = C.context_attention
+    n.target = attention
     n.args = (given["query"], given["key"], given["value"], mask, given.get("dropout_p", 0.0), given.get("scale"),
               bool(given.get("enable_gqa", False)), group, size, rank)
     n.kwargs = {}

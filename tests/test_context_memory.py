@@ -18,6 +18,8 @@ Measured (bytes per rank, kept / predicted): cp=1 2349572 / 2347520, cp=2 145332
 (+0.07%), cp=4 857736 / 857216 (+0.06%); the rest is the cut token ids ``cost_model.context``
 leaves out. Without the causal-mask rows each attention keeps (``cost_model.context.attention_priced``)
 the prediction was 1.2% and 1.0% low.
+With ring attention (cp_attention="ring": no gathered keys and values, no mask rows): cp=2
+1174792 / 1173760 (+0.09%), cp=4 587400 / 586880 (+0.09%), 1/cp of cp=1's.
 
 Offline (meta device): the per-layer activations the plan derives from the traced graph at cp=c
 are the whole-sequence layer's (Korthikanti et al. 2022, Table 2, with fused attention: nothing
@@ -56,16 +58,17 @@ def _saved_bytes(pm, inputs) -> tuple[float, int]:
     return loss, sum(seen.values())
 
 
-def _measure(rank, world):
+def _measure(rank, world, attention="allgather"):
     torch.manual_seed(0)
     inputs = example_inputs(CFG, BATCH, SEQ)
-    pm = autopar.parallelize(GPT(CFG), {"cp": world}, inputs, compile=False, device="cpu")
+    pm = autopar.parallelize(GPT(CFG), {"cp": world}, inputs, compile=False, device="cpu", cp_attention=attention)
     loss, kept = _saved_bytes(pm, inputs)
     gathered = sum(c.bytes for c in pm.plan.collectives if (c.kind, c.axis, c.phase) == ("all_gather", "cp", "fwd"))
     return loss, kept, pm.plan.memory[0].activations, gathered
 
 
-JOBS = {cp: pool.job(cp, _measure, timeout=300) for cp in CPS}
+JOBS = {cp: pool.job(cp, _measure, "allgather" if cp > 1 else "auto", timeout=300) for cp in CPS}
+RING = {cp: pool.job(cp, _measure, "ring", timeout=300) for cp in CPS[1:]}
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +85,20 @@ def test_activations_predicted_within_10_percent(cp, reference_loss):
         assert loss == pytest.approx(reference_loss, rel=1e-5), rank
         why = (f"cp={cp} rank {rank}: the forward keeps {kept / 2**20:.3f} MiB for the backward, the plan "
                f"predicts {predicted / 2**20:.3f} MiB (gathered keys and values {gathered / 2**20:.3f} MiB)")
+        assert kept == pytest.approx(predicted, rel=TOLERANCE), why
+
+
+@pytest.mark.parametrize("cp", CPS[1:])
+def test_ring_activations_predicted_within_10_percent(cp, reference_loss):
+    """With ring attention a rank keeps 1/cp of the whole sequence's activations and no gathered keys
+    and values (its blocks in flight are transient): within 10% of the plan's prediction, and that is
+    1/cp of cp=1's."""
+    _, whole, whole_predicted, _ = JOBS[1].result()[0]
+    for rank, (loss, kept, predicted, gathered) in enumerate(RING[cp].result()):
+        assert loss == pytest.approx(reference_loss, rel=1e-5), rank
+        assert gathered == 0 and predicted == pytest.approx(whole_predicted / cp)
+        why = (f"cp={cp} rank {rank} (ring): the forward keeps {kept / 2**20:.3f} MiB for the backward, the plan "
+               f"predicts {predicted / 2**20:.3f} MiB")
         assert kept == pytest.approx(predicted, rel=TOLERANCE), why
 
 

@@ -1,9 +1,10 @@
 """Context parallelism (a cp mesh axis) against the unsharded model on gloo ranks: loss, every
 gathered gradient and 10 AdamW steps, with a plain torch optimizer over ``pm.parameters()`` and
 with ``pm.optimizer``; cp alone (2, 4), with tp and sequence parallelism, with dp at ZeRO-1 and
-ZeRO-3, with pp, and Hugging Face Llama (rotary positions, its own position mask, shifted labels).
-The rank's graph holds one ``context_attention`` (two all-gathers over cp) per layer, as the plan
-counts them; a checkpoint written on dp=2 x cp=2 (ZeRO-1) trains on at cp=4. Offline (meta device, no processes): the mesh's rank layout, the plan's record of
+ZeRO-3, with pp, and Hugging Face Llama (rotary positions, its own position mask, shifted labels);
+with ring attention (cp_attention="ring") at cp=2 and 4 and on Llama.
+The rank's graph holds one cp attention per layer (``context_attention``, two all-gathers over
+cp, or ``ring_attention``, cp-1 block transfers), as the plan counts them; a checkpoint written on dp=2 x cp=2 (ZeRO-1) trains on at cp=4. Offline (meta device, no processes): the mesh's rank layout, the plan's record of
 cp, and the errors for a sequence 2·cp does not divide and for attention cp cannot split."""
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ BATCH, SEQ, STEPS, LR = 4, 16, 10, 1e-3
 CASES = [({"cp": 2}, "gpt-ignore", "plain", {}),
          ({"cp": 2}, "llama", "own", {}),
          ({"cp": 4}, "gpt-ignore", "own", {}),
+         ({"cp": 2}, "gpt-ignore", "plain", {"cp_attention": "ring"}),
+         ({"cp": 2}, "llama", "own", {"cp_attention": "ring"}),
+         ({"cp": 4}, "gpt-ignore", "own", {"cp_attention": "ring"}),
          ({"cp": 2, "tp": 2}, "gpt-ignore", "plain", {"plan": "megatron", "sequence_parallel": True}),
          ({"dp": 2, "cp": 2}, "gpt", "own", {"zero": 1}),
          ({"dp": 2, "cp": 2}, "gpt", "plain", {"zero": 3, "keep_gathered": ()}),
@@ -69,15 +73,17 @@ def _one(rank, world, mesh, name, optimizer, knobs):
     pm = autopar.parallelize(build(name), mesh, inputs, compile=False, device="cpu", **knobs)
     loss = pm.train_step(*inputs).item()
     grads = pm.full_grads()
-    attention = sum(1 for n in pm.graph_module.graph.nodes if n.target is C.context_attention)
-    planned = sum(c.count for c in pm.plan.collectives if (c.kind, c.axis, c.phase) == ("all_gather", "cp", "fwd"))
+    attention = sum(1 for n in pm.graph_module.graph.nodes if n.target is C.CP_ATTENTIONS[pm.plan.cp_attention])
+    kind = "send_recv" if pm.plan.cp_attention == "ring" else "all_gather"
+    planned = sum(c.count for c in pm.plan.collectives if (c.kind, c.axis, c.phase) == (kind, "cp", "fwd"))
     curve = pm_curve(pm, adamw_for(pm, optimizer, LR), inputs, STEPS)
     try:   # a batch of another sequence length: the rank's positions would be wrong
         pm.train_step(*(x[:, :SEQ // 2] for x in inputs))
         wrong = None
     except ValueError as e:
         wrong = str(e)
-    return loss, grads, curve, attention, planned, pm.plan.microbatches, pm.plan.sequence_parallel, wrong
+    return (loss, grads, curve, attention, planned, pm.plan.microbatches, pm.plan.sequence_parallel, wrong,
+            pm.plan.cp_attention)
 
 
 def _cases(rank, world, cases):
@@ -131,14 +137,17 @@ def test_cp_matches_one_device(case, refs):
     w = _world(mesh)
     index = [c for c in CASES if _world(c[0]) == w].index(case)
     for rank, per_rank in enumerate(JOBS[w].result()):
-        loss, grads, curve, attention, planned, microbatches, sp, wrong = per_rank[index]
+        loss, grads, curve, attention, planned, microbatches, sp, wrong, variant = per_rank[index]
         assert loss == pytest.approx(ref_loss, rel=1e-5), rank
         for fqn, g in ref_grads.items():
             torch.testing.assert_close(grads[fqn], g, rtol=1e-5, atol=1e-6, msg=fqn)
         assert curve == pytest.approx(ref_curve, rel=1e-4)
-        # one all-gather-KV attention per layer in the rank's graph; the plan counts K and V per microbatch
+        # one cp attention per layer in the rank's graph, of the plan's variant; the plan counts K and V
+        # gathered per microbatch, or the ring's cp-1 block transfers
+        assert variant == knobs.get("cp_attention", variant)
         assert attention == 2
-        assert planned == 2 * attention * microbatches
+        steps = 2 if variant == "allgather" else mesh["cp"] - 1
+        assert planned == steps * attention * microbatches
         assert sp == bool(knobs.get("sequence_parallel"))
         assert wrong is not None and f"plan was made for {SEQ}" in wrong
 

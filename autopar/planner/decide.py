@@ -24,8 +24,9 @@ from autopar.cost_model.step import (dp_sync_time, param_byte_time, plan_update_
                                      rank_update_time, step_time, unit_sync_times, zero_sync_floor)
 from autopar.errors import PlanError, PlanFormatError
 from autopar.mesh import Mesh
-from autopar.passes.context_parallel import check_context
-from autopar.cost_model.context import attention_priced, context_priced
+from autopar.passes.context_parallel import check_context, ring_refusal
+from autopar.collectives import CP_ATTENTIONS
+from autopar.cost_model.context import attention_priced, context_priced, cp_attention_seconds
 from autopar.passes.capture import Captured, capture_pass
 from autopar.passes.precision import compute_dtype, retyped, working_copy_ratio
 from autopar.passes.units import layer_units, stage_of_nodes, zero_units
@@ -124,12 +125,15 @@ def _microbatch_options(mesh: Mesh, batch: int, schedule: str, microbatches) -> 
 def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto", recompute="none",
            memory_budget=None, schedule="1F1B", microbatches=None, zero=0, device="h100",
            gpus_per_node=8, stages=None, virtual_stages=None, world_size=None,
-           precision="fp32", offload="none", keep_gathered="auto") -> tuple[Captured, dict, Plan]:
+           precision="fp32", offload="none", keep_gathered="auto", cp_attention="auto") -> tuple[Captured, dict, Plan]:
     """Capture and plan: the graph, the strategy per node and the Plan (no process group needed).
 
     ``keep_gathered`` (zero=3): "auto", the planner keeps gathered from forward to backward the
     units it can afford within the memory budget (``autopar.planner.reshard``); or the unit names
     to keep, () resharding every unit after its forward (FSDP2's default).
+
+    ``cp_attention`` (cp > 1): "allgather", "ring", or "auto", the one of lower exposed
+    communication (``_cp_attention``).
 
     With pp > 1 and no ``microbatches``, every count the schedule can take is planned and
     the one with the lowest predicted step time is kept. ``mesh="auto"`` needs ``world_size``:
@@ -145,7 +149,8 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
             captures[key] = capture_pass(model, inputs, require_loss=True)
         return captures[key]
 
-    knobs = dict(plan=plan, sequence_parallel=sequence_parallel, memory_budget=memory_budget,
+    _check_cp_attention(cp_attention, mesh)
+    knobs = dict(plan=plan, sequence_parallel=sequence_parallel, memory_budget=memory_budget, cp_attention=cp_attention,
                  schedule=schedule, zero=zero, device=device, gpus_per_node=gpus_per_node, stages=stages,
                  virtual_stages=virtual_stages, recompute=recompute, precision=precision, capture=capture,
                  offload=offload, keep_gathered=_keep_knob(keep_gathered))
@@ -476,7 +481,7 @@ def _zero_floors(mesh, example_inputs, *, choices, device, plan, microbatches, c
 
 def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budget, schedule, microbatches,
             zero, device, gpus_per_node, stages, virtual_stages, recompute, precision, capture, offload,
-            keep_gathered="auto") -> Decision:
+            keep_gathered="auto", cp_attention="auto") -> Decision:
     m = microbatches
     v = _virtual(schedule, virtual_stages)
     dev = get_device(device)
@@ -516,6 +521,9 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
     else:
         raise ValueError(f"plan={plan!r}: expected 'auto', 'megatron', a Plan or a plan JSON path")
     zero, notes = zero_on_mesh(zero, mesh)
+    attention, why = _cp_attention(cp_attention if given is None else given.cp_attention, cap, assignment.strategies,
+                                   mesh, dev, gpus_per_node)
+    notes += why
     refused = offload_limit(offload, precision, zero, (mesh.dp, mesh.pp, mesh.tp), m)
     if refused:
         raise ValueError(refused)
@@ -530,7 +538,7 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
 
     def fields_of(assignment, recompute, kept=()) -> dict:
         fields = sharding_fields(cap, assignment, mesh, dev, sequence_parallel=sp, zero=zero, microbatches=m,
-                                 source=plan, gpus_per_node=gpus_per_node, kept=kept)
+                                 source=plan, gpus_per_node=gpus_per_node, kept=kept, cp_attention=attention)
         fields.update(schedule=schedule, virtual_stages=v)
         if mesh.pp > 1:
             fields.update(_stage_fields(cap, assignment.strategies, mesh, dev, schedule=schedule, virtual=v,
@@ -550,15 +558,19 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
             fields = _with_kept(cap, mesh, dev, fields, choice.kept, gpus_per_node=gpus_per_node,
                                 sharding=lambda: sharding_fields(cap, assignment, mesh, dev, sequence_parallel=sp,
                                                                  zero=zero, microbatches=m, source=plan,
-                                                                 gpus_per_node=gpus_per_node, kept=choice.kept),
+                                                                 gpus_per_node=gpus_per_node, kept=choice.kept,
+                                                                 cp_attention=attention),
                                 memory=lambda f: _memory_fields(cap, assignment.strategies, mesh, dev, f,
                                                                 recompute=recompute, budget=limit, zero=zero,
                                                                 regions=_regions_from_plan(cap, _view(f)),
                                                                 offload=offload, kept=choice.kept))
         kept = choice.kept
         notes += (_kept_note(choice, len(zero_units(cap)), limit, budget is None, dev),)
-    fields = context_priced(fields, mesh.cp, mesh.tp, dev, gpus_per_node)   # priced whole, run on 1/cp of it
-    if mesh.cp > 1:   # what each attention keeps at cp, per stage, for the microbatches in flight there
+    fields = context_priced(fields, mesh.cp, mesh.tp, dev, gpus_per_node, cap=cap,
+                            strategies=assignment.strategies)   # priced whole, run on 1/cp of it
+    if mesh.cp > 1 and fields["cp_attention"] == "allgather":
+        # what each attention keeps per stage for its microbatches in flight (the ring keeps neither
+        # gathered keys and values nor a mask)
         inflight = inflight_microbatches(mesh.pp, m, v, schedule) if fields.get("stages") else [1]
         fields = attention_priced(fields, mesh.cp, mesh.tp, dev, gpus_per_node, _stage_nodes(cap, fields), inflight)
     if given is not None:   # a plan read back unchanged (parallelize broadcasts JSON) keeps its source
@@ -571,6 +583,37 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
                                                       offload=offload != "none"))
     terms["update"] = fields["predicted_update_s"]
     return Decision(cap, assignment.strategies, fields, dev, budget, gpus_per_node, given, terms)
+
+
+def _check_cp_attention(knob, mesh) -> None:
+    """Refuse a ``cp_attention`` the planner does not know, or one named for a given mesh without cp
+    (it could not take effect)."""
+    if knob != "auto" and knob not in CP_ATTENTIONS:
+        raise ValueError(f"cp_attention={knob!r}: expected 'auto' or {' or '.join(map(repr, CP_ATTENTIONS))}")
+    if knob != "auto" and not (isinstance(mesh, str) and mesh == "auto") and Mesh.parse(mesh).cp == 1:
+        raise ValueError(f"cp_attention={knob!r} chooses how attention runs over cp, but the mesh {Mesh.parse(mesh)} "
+                         "has cp=1; give the mesh a cp axis (mesh={'cp': 2, ...}) or leave cp_attention='auto'")
+
+
+def _cp_attention(knob: str, cap, strategies, mesh: Mesh, dev, gpus_per_node: int) -> tuple[str, tuple[str, ...]]:
+    """The cp attention variant (``Plan.cp_attention``) and a note on its choice: the knob's (or the
+    given plan's), or for "auto" the variant of lower exposed seconds
+    (``cost_model.context.cp_attention_seconds``; ring on a tie, it keeps less), all-gather where
+    ring attention cannot run the graph (``ring_refusal``)."""
+    if mesh.cp == 1:
+        return "allgather", ()
+    refused = ring_refusal(cap.gm)
+    if knob == "ring" and refused:
+        raise PlanError(f"cp_attention='ring': {refused}; use cp_attention='allgather'")
+    if knob != "auto":
+        return knob, ()
+    if refused:
+        return "allgather", (f"cp attention: allgather, as ring attention cannot run here ({refused})",)
+    seconds = {a: cp_attention_seconds(cap, strategies, mesh.cp, mesh.tp, dev, gpus_per_node, a) for a in CP_ATTENTIONS}
+    chosen = "ring" if seconds["ring"] <= seconds["allgather"] else "allgather"
+    rows = ", ".join(f"{a} {s * 1e3:.3f} ms" for a, s in seconds.items())
+    return chosen, (f"cp attention chosen automatically: {chosen}, the least exposed communication per microbatch "
+                    f"({rows})",)
 
 
 def _choose_kept(cap, strategies, mesh, dev, fields: dict, limit: float, gpus_per_node: int):

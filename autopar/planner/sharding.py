@@ -238,13 +238,13 @@ def _op_name(node: Node) -> str:
 
 
 def sharding_fields(cap: Captured, assignment: Assignment, mesh, dev, *, sequence_parallel: bool,
-               zero: int, microbatches: int, source: str, gpus_per_node: int = 8, kept=()):
+               zero: int, microbatches: int, source: str, gpus_per_node: int = 8, kept=(), cp_attention="allgather"):
     """The Plan's fields that the chosen strategies decide: placements, collectives, the step's
     compute and communication without pipeline stages, model FLOPs; and, as ``step_terms``, that
     step's terms (compute, tp, dp: what ``predicted_compute_s`` and ``predicted_comm_s`` add up)
     and, as ``dp_units``, what its dp sync was priced from (parameter bytes, ZeRO-2/3's per-unit
     figures and the units' names). ``kept``: ZeRO-3's units kept gathered (names), whose backward
-    re-gather is not issued."""
+    re-gather is not issued. ``cp_attention``: how attention runs over cp, whose collectives it records."""
     from autopar.plans import CollectivePlan, ParamPlan, dp_placements
 
     strategies = assignment.strategies
@@ -276,14 +276,16 @@ def sharding_fields(cap: Captured, assignment: Assignment, mesh, dev, *, sequenc
     dp_comm = dp_sync_time(local_bytes, mesh, dev, zero, gpus_per_node, microbatches=m, gathered=gathered,
                            units=units, kept=positions)
     compute = flat_compute_time(strategies, tp, dev, tp_inter, m)
-    for kind, axis, phase, where, n, b in cp_collectives(cap, strategies, mesh.cp, tp, m, local_bytes, zero, mesh.dp_shard):
+    for kind, axis, phase, where, n, b in cp_collectives(cap, strategies, mesh.cp, tp, m, local_bytes, zero, mesh.dp_shard,
+                                                        cp_attention):
         a = agg.setdefault((kind, axis, phase, where), [0, 0.0])
         a[0] += n
         a[1] += b
     colls = tuple(CollectivePlan(k, axis, ph, w, n, int(b)) for (k, axis, ph, w), (n, b) in agg.items())
     input_shapes = tuple(shape(i) for i in cap.inputs)
     model_flops = m * mesh.dp * _graph_flops(cap)
-    return dict(mesh=(mesh.dp, mesh.pp, mesh.tp), dp_replicate=mesh.dp_replicate, cp=mesh.cp, input_shapes=input_shapes, sequence_parallel=bool(sequence_parallel),
+    return dict(mesh=(mesh.dp, mesh.pp, mesh.tp), dp_replicate=mesh.dp_replicate, cp=mesh.cp,
+                cp_attention=cp_attention, input_shapes=input_shapes, sequence_parallel=bool(sequence_parallel),
                 zero=zero, microbatches=m, device=dev.name, parameters=tuple(params), nodes=nodes, collectives=colls,
                 predicted_compute_s=compute, predicted_comm_s=tp_comm + dp_comm, solve_seconds=assignment.solve_seconds,
                 source=source, model_flops=model_flops, step_terms=dict(compute=compute, tp=tp_comm, dp=dp_comm),

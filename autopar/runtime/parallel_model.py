@@ -105,7 +105,7 @@ class ParallelModel:
             # first, in a run of its own: the tp rewrite then sees the local sequence's shapes, on
             # nodes the planner's strategies are handed to by name (``local_strategies``)
             steps.append((cp_pass, dict(size=mesh.cp, rank=self.coords["cp"], group=self._cp_group,
-                                        seq=plan.input_shapes[0][1])))
+                                        seq=plan.input_shapes[0][1], attention=plan.cp_attention)))
             start, self.pass_seconds = run_passes(cap.gm, steps, prefix=rank_prefix("cp"))
             strategies, steps, cuts = local_strategies(start, strategies), [], cp_cuts(start)
         if mesh.tp > 1:
