@@ -87,7 +87,7 @@ def _dropout_p(node: Node) -> float:
 
 
 def _bytes(shape, dtype) -> float:
-    return float(math.prod(shape)) * (torch.empty((), dtype=dtype).element_size())
+    return float(math.prod(shape)) * dtype.itemsize   # no tensor made per call: this runs per kept tensor
 
 
 def _kept_storage(arg: Node, pl, size: int):

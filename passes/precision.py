@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule, Node, map_arg
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils._pytree import tree_map
@@ -112,12 +113,55 @@ def _tables(graph) -> set[Node]:
 
 class _Retype(FakeTensorProp):
     """Fake-tensor propagation with ``precision_pass``'s casts: loss ops see fp32 inputs, and the
-    tables the graph computes from buffers and shapes reach other ops at the compute dtype."""
+    tables the graph computes from buffers and shapes reach other ops at the compute dtype.
+
+    An op's fake output depends only on the op, its non-tensor arguments and its tensor arguments'
+    metadata, and a model's repeated blocks ask the same question once per block (an 80-block
+    graph, 80 times): each distinct question is propagated once (``_question``) and a repeat gets
+    that answer and its snapshot (``FakeTensorProp.run_node``) as its ``meta["val"]``."""
 
     def __init__(self, gm, mode, dtype: torch.dtype):
         super().__init__(gm, mode)
         self.dtype = dtype
         self.tables = _tables(gm.graph)
+        self.answers: dict = {}
+
+    def run_node(self, n):
+        question = self._question(n)
+        if question is None:
+            return super().run_node(n)
+        hit = self.answers.get(question)
+        if hit is None:
+            answer = super().run_node(n)
+            self.answers[question] = answer, n.meta["val"]
+            return answer
+        # the twin's snapshot, shared as ``passes.block_capture`` shares a repeated layer's metadata
+        answer, n.meta["val"] = hit
+        return answer
+
+    def _question(self, n):
+        """What ``n``'s fake output is a function of, hashable; None where it is not only that (not
+        an op, an op that mutates its inputs, an output that is not tensors, an unhashable argument)."""
+        target = n.target
+        if n.op != "call_function" or getattr(getattr(target, "_schema", None), "is_mutable", False):
+            return None
+        if not all(isinstance(v, FakeTensor) for v in _leaves(n.meta.get("val"))):
+            return None   # only tensor answers are snapshotted here (``FakeTensorProp.run_node``'s extract_val)
+
+        def describe(a):
+            if isinstance(a, Node):   # its value as the op receives it: cast where ``load`` casts
+                return ("node", a in self.tables or a.op == "placeholder", _metadata(self.env[a]))
+            if isinstance(a, (list, tuple)):
+                return (type(a).__name__, tuple(describe(x) for x in a))
+            if isinstance(a, dict):
+                return ("dict", tuple((k, describe(v)) for k, v in a.items()))
+            return a
+        question = (target, n in self.tables, describe(n.args), describe(n.kwargs))
+        try:
+            hash(question)
+        except TypeError:
+            return None
+        return question
 
     def fetch_args_kwargs_from_env(self, n):
         def load(a):   # inputs and tables reach the ops that compute with them at 16 bits
@@ -131,6 +175,21 @@ class _Retype(FakeTensorProp):
         if target in LOSS_OPS:
             args, kwargs = tree_map(lambda x: cast(x, torch.float32), (args, kwargs))
         return super().call_function(target, args, kwargs)
+
+
+def _leaves(v) -> list:
+    """The tensors and other leaves of a node's value (a tensor or a list or tuple of them)."""
+    return [x for a in v for x in _leaves(a)] if isinstance(v, (list, tuple)) else [v]
+
+
+def _metadata(v):
+    """Everything of a fake value that an op's fake output can depend on: per tensor its shape,
+    strides, offset, dtype, device and whether it requires grad."""
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, v.device, v.requires_grad)
+    if isinstance(v, (list, tuple)):
+        return tuple(_metadata(x) for x in v)
+    return v
 
 
 def retype_pass(gm: GraphModule, *, precision: str) -> GraphModule:
