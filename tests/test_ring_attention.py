@@ -177,9 +177,11 @@ def test_planner_picks_ring_where_its_transfers_hide(cp):
         assert plan.predicted_comm_s < forced.predicted_comm_s
         assert any(n.startswith(f"cp attention chosen automatically: {plan.cp_attention}") for n in plan.notes)
     ring, gathered = long, _plan(cp=cp, cp_attention="allgather", **LONG)
-    # ring keeps no gathered keys and values: the whole sequence's K and V, 2 layers x batch 1 x 16384 x 512 x 4 B
+    # ring keeps no gathered keys and values (the whole sequence's K and V, 2 layers x batch 1 x 16384 x 512
+    # x 4 B) and no causal-mask rows ((16384 / cp) x 16384 in fp32 per layer)
     kv = 2 * 2 * 16384 * 512 * 4
-    assert gathered.memory[0].activations - ring.memory[0].activations == pytest.approx(kv)
+    masks = 2 * (16384 // cp) * 16384 * 4
+    assert gathered.memory[0].activations - ring.memory[0].activations == pytest.approx(kv + masks)
     # in its collectives list: cp-1 steps forward, cp-1 blocks and cp gradients backward, per layer
     sends = {c.phase: c.count for c in ring.collectives if c.kind == "send_recv" and c.axis == "cp"
              and c.where == "transformer.h.0.attn"}
