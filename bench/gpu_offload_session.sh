@@ -2,14 +2,9 @@
 # One H200 session for optimizer offload: the host's pinned-copy bandwidth and CPU AdamW rate
 # (cost_model.calibrate), a small smoke run, then the ~9B-parameter model (bench/offload_gpu.py).
 #     OUT=DIR bash bench/gpu_offload_session.sh
-# The package is staged under /tmp/pkg (the image has no network to pip-install it).
+# The package is staged under /tmp/pkg (bench/stage_package.sh).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-rm -rf /tmp/pkg && mkdir -p /tmp/pkg/autopar
-cp -r autopar/. /tmp/pkg/autopar/
-for d in passes cost_model kernels examples; do cp -r "$d" "/tmp/pkg/autopar/$d"; done
-export PYTHONPATH=/tmp/pkg
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/stage_package.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; free -g | head -2; nproc
 (cd /tmp && python - <<'PY') 2>&1 | tee "$OUT/host_calibration.txt"
 import torch

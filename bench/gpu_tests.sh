@@ -3,14 +3,9 @@
 # (tests/test_hf_gpu.py), the rotary-table dtypes (tests/test_precision_tables.py) and the Triton
 # kernels against their CPU references (tests/kernels).
 #     OUT=DIR bash bench/gpu_tests.sh
-# The package is staged under /tmp/pkg (the image has no network to pip-install it).
+# The package is staged under /tmp/pkg (bench/stage_package.sh).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-rm -rf /tmp/pkg && mkdir -p /tmp/pkg/autopar
-cp -r autopar/. /tmp/pkg/autopar/
-for d in passes cost_model kernels examples; do cp -r "$d" "/tmp/pkg/autopar/$d"; done
-export PYTHONPATH=/tmp/pkg
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/stage_package.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 cd tests && python -m pytest -q -p no:cacheprovider test_hf_gpu.py test_precision_tables.py kernels 2>&1 | tee "$OUT/gpu_tests.txt"
