@@ -83,6 +83,8 @@ _TORCHRUN_SCRIPT = textwrap.dedent("""
         rank, world = init_distributed(timeout_s=3600)   # only the failure may end the wait below
         dist.barrier()
         if rank == 1:
+            with open("failed_at", "w") as f:
+                f.write(repr(time.time()))
             {failure}
         dist.all_reduce(torch.ones(1))                    # rank 0 waits here for rank 1
         time.sleep(3600)
@@ -96,12 +98,12 @@ _TORCHRUN_SCRIPT = textwrap.dedent("""
 def test_torchrun_rank_failure_ends_the_job(tmp_path, failure, expected):
     script = tmp_path / "job.py"
     script.write_text(_TORCHRUN_SCRIPT.format(failure=failure))
-    start = time.monotonic()
     done = cli.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
          "--master-port", str(free_port()), str(script)],
-        timeout=BOUND_S + 30, cwd=tmp_path, OMP_NUM_THREADS="1")
-    assert time.monotonic() - start < BOUND_S
+        timeout=300, cwd=tmp_path, OMP_NUM_THREADS="1")
+    # from the failure, not from the start: two ranks importing torch on a loaded machine take a while
+    assert time.time() - float((tmp_path / "failed_at").read_text()) < BOUND_S
     assert done.returncode != 0
     # torchrun's closing report names the failed rank and, from guard's error file, its error.
     report = done.stderr[done.stderr.rindex("Root Cause"):]

@@ -27,6 +27,7 @@ def _boom_on_rank_1(rank, world_size, pid_dir):
     (pid_dir / f"{rank}.pid").write_text(str(os.getpid()))
     dist.barrier()  # every pid is written before anyone fails
     if rank == 1:
+        (pid_dir / "failed_at").write_text(repr(time.time()))
         raise ValueError("boom on rank 1")
     if rank == 0:
         dist.all_reduce(torch.ones(1))  # waits for rank 1, which never comes
@@ -63,10 +64,10 @@ def test_results_come_back_per_rank_with_env():
 
 
 def test_raising_rank_is_reported_and_others_are_killed(tmp_path):
-    start = time.monotonic()
     with pytest.raises(RankError) as info:
         spawn(_boom_on_rank_1, 3, tmp_path, timeout=120)
-    assert time.monotonic() - start < 30
+    # from the failure, not from the start: three ranks importing torch on a loaded machine take a while
+    assert time.time() - float((tmp_path / "failed_at").read_text()) < 30
     message = str(info.value)
     assert "rank 1" in message
     assert "Traceback" in message and "_boom_on_rank_1" in message
