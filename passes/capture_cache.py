@@ -47,6 +47,7 @@ class _Unkeyable(Exception):
 
 
 def enabled() -> bool:
+    """Whether captures are kept (``AUTOPAR_CAPTURE_CACHE`` is not "0")."""
     return os.environ.get("AUTOPAR_CAPTURE_CACHE", "1") != "0"
 
 
@@ -147,8 +148,7 @@ def _compound(v, memo: dict, depth: int):
                                      key=lambda kv: kv[0]))
     if dataclasses.is_dataclass(v):
         return type(v), tuple((f.name, _value(getattr(v, f.name), memo, depth)) for f in dataclasses.fields(v))
-    if type(v).__repr__ is object.__repr__ and hasattr(v, "__dict__") and not callable(v):
-        return type(v), _value(vars(v), memo, depth)   # a plain config object
-    if hasattr(v, "to_dict") and hasattr(v, "__dict__") and not callable(v):   # Hugging Face configs
+    plain = type(v).__repr__ is object.__repr__ or hasattr(v, "to_dict")   # a config object, Hugging Face's too
+    if plain and hasattr(v, "__dict__") and not callable(v):
         return type(v), _value(vars(v), memo, depth)
     raise _Unkeyable(type(v).__qualname__)
