@@ -37,11 +37,12 @@ def pytest_terminal_summary(terminalreporter):
     rows = pool.timings()
     if rows:
         totals, cpu = {}, {}
-        for seconds, used, world, _ in rows:
+        for seconds, used, world, *_ in rows:
             totals[world] = totals.get(world, 0.0) + seconds
             cpu[world] = cpu.get(world, 0.0) + used
         terminalreporter.write_line("pooled jobs, seconds on rank 0 (CPU seconds of all ranks), per world: "
                                     + ", ".join(f"{w}: {s:.0f} ({cpu[w]:.0f})" for w, s in sorted(totals.items())))
         terminalreporter.write_line(pool.timeline())
-        for seconds, used, world, name in rows[:20]:
-            terminalreporter.write_line(f"  {seconds:7.1f} ({used:6.1f} CPU)  world {world}  {name}")
+        for seconds, used, world, name, frames in rows[:int(os.environ.get("AUTOPAR_POOL_ROWS", "20"))]:
+            compiled = f"  ({frames} frames compiled)" if frames else ""
+            terminalreporter.write_line(f"  {seconds:7.1f} ({used:6.1f} CPU)  world {world}  {name}{compiled}")

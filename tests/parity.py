@@ -65,10 +65,11 @@ def adamw_for(pm, optimizer: str, lr: float):
     return torch.optim.AdamW(pm.parameters(), lr=lr) if optimizer == "plain" else pm.optimizer(torch.optim.AdamW, lr=lr)
 
 
-def counted_gathers_step(pm, inputs) -> tuple[float, tuple[int, int, int]]:
-    """One eager train step of a ZeRO-2/3 ``pm``: its loss and (gather_param nodes, sharded_linear
-    nodes in the rank's graphs and their regions, weight gathers the step ran, the backward's
-    re-gathers included)."""
+def counted_gathers_step(pm, inputs, count: bool = True) -> tuple[float, tuple[int, int, int | None]]:
+    """One train step of a ZeRO-2/3 ``pm``: its loss and (gather_param nodes, sharded_linear nodes in
+    the rank's graphs and their regions, weight gathers the step ran, the backward's re-gathers
+    included). ``count=False`` (a compiled ``pm``) leaves the last None: the counter, a Python
+    side effect, would break the compiled graph and recompile it at every later step."""
     from autopar import collectives as C
 
     calls = [0]
@@ -77,11 +78,12 @@ def counted_gathers_step(pm, inputs) -> tuple[float, tuple[int, int, int]]:
     def counted(*args):
         calls[0] += 1
         return gather(*args)
-    C._gather_weight = counted
+    if count:
+        C._gather_weight = counted
     try:
         loss = pm.train_step(*inputs).item()
     finally:
         C._gather_weight = gather
     graphs = [m.graph for m in pm.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
     return loss, (sum(1 for g in graphs for n in g.nodes if n.target is C.gather_param),
-                  sum(1 for g in graphs for n in g.nodes if n.target is C.sharded_linear), calls[0])
+                  sum(1 for g in graphs for n in g.nodes if n.target is C.sharded_linear), calls[0] if count else None)

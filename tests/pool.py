@@ -3,8 +3,11 @@
 A test module registers its rank work at import time, ``JOB = pool.job(world, fn, *args)``; the
 first test that asks any job of a world size for its result (``JOB.result()``) spawns that world
 once and runs there every job registered for it so far, in registration order, in the same ranks.
-Process start-up, the imports and the first collective of each process are then paid once per
-world size instead of once per module.
+Process start-up and the first collective of each process are then paid once per world size
+instead of once per module. The ranks are forked from multiprocessing's fork server
+(``spawn(..., start_method="forkserver")``), which imports torch, autopar and the test modules that
+registered jobs once for the session: a rank starts in a fraction of a second instead of the
+seconds its imports took.
 
 Once collection is over, ``start()`` (called by conftest) runs every registered world in a
 background thread, one world after another, while the main process goes on with the tests that
@@ -32,7 +35,7 @@ import threading
 import time
 import traceback
 
-from autopar.launch import spawn
+from autopar.launch import preload_in_forkserver, spawn
 
 _JOBS: dict[int, list["Job"]] = {}
 _RESULTS: dict[int, list] = {}
@@ -44,7 +47,8 @@ _ENV: dict[str, str] = {}   # the environment ranks run with, taken by start()
 _BACKGROUND: list[threading.Thread] = []
 _PENDING: list[int] = []   # the worlds the background thread has yet to run, next first (guarded by _LOCK)
 _DONE: dict[int, threading.Event] = {}   # set once the background thread has run a world
-_SPANS: list[tuple[int, float, float, float]] = []   # (world, start, end, CPU seconds of its processes) of each spawn
+# (world, start, end, CPU seconds of its ranks (their children's included), of their start-up) of each spawn
+_SPANS: list[tuple[int, float, float, float, float]] = []
 _WAITED: list[float] = [0.0]   # seconds the tests spent blocked on pooled results
 _T0: list[float] = []   # when start() ran
 
@@ -104,6 +108,7 @@ def start() -> None:
     """Runs every world registered so far in a background thread, largest total job timeout first."""
     _ENV.update(os.environ)
     _T0.append(time.perf_counter())
+    preload_in_forkserver(["pool", "parity", *sorted(modules())])
     with _LOCK:
         _PENDING[:] = sorted(_JOBS, key=lambda w: -sum(j.timeout for j in _JOBS[w]))
         for world in _PENDING:
@@ -150,25 +155,25 @@ def _cpu_seconds() -> float:
     return sum(os.times()[:4])
 
 
-def _children_cpu() -> float:
-    """CPU seconds of this process's finished children and theirs (a world's ranks, once joined)."""
-    t = os.times()
-    return t.children_user + t.children_system
+def _frames() -> int:
+    """Frames torch.compile has compiled in this process so far (recompiles and graph breaks included)."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return dynamo.counters["frames"]["total"] if dynamo else 0
 
 
 def _run_all(rank, world, jobs, env):
     _restore_environment(env)
-    out = []
+    started, out = _cpu_seconds(), []
     for fn, args in jobs:
-        start, cpu = time.perf_counter(), _cpu_seconds()
+        start, cpu, frames = time.perf_counter(), _cpu_seconds(), _frames()
         try:
             ok, value = True, fn(rank, world, *args)
         except Exception:
             ok, value = False, traceback.format_exc()
-        out.append((ok, value, time.perf_counter() - start, _cpu_seconds() - cpu))
+        out.append((ok, value, time.perf_counter() - start, _cpu_seconds() - cpu, _frames() - frames))
     # plain pickle bytes: the pipe's own pickler would share every tensor through a file
     # descriptor, and a pool's worth of them runs out ("received 0 items of ancdata")
-    return pickle.dumps(out)
+    return pickle.dumps((started, _cpu_seconds(), out))
 
 
 def _run(world: int) -> list:
@@ -206,32 +211,37 @@ def _run_locked(world: int) -> list:
                 j.path = tempfile.mkdtemp(dir=_WORKDIR[0])
         work = [(j.fn, ((j.path,) if j.workdir else ()) + j.args + (tuple(j.lazy()) if j.lazy else ()))
                 for j in todo]
-        began, reaped = time.perf_counter(), _children_cpu()
+        began, res = time.perf_counter(), None
         try:
-            res = spawn(_run_all, world, work, dict(_ENV), timeout=min(3600.0, sum(j.timeout for j in todo)))
+            res = spawn(_run_all, world, work, dict(_ENV), timeout=min(3600.0, sum(j.timeout for j in todo)),
+                        start_method="forkserver")
         except Exception as e:
             _FAILED[world] = f"{type(e).__name__}: {e}"
             raise
         finally:
             t0 = _T0[0] if _T0 else began
-            _SPANS.append((world, began - t0, time.perf_counter() - t0, _children_cpu() - reaped))
+            returned = [pickle.loads(r) for r in res] if res else []
+            _SPANS.append((world, began - t0, time.perf_counter() - t0, sum(used for _, used, _ in returned),
+                           sum(started for started, _, _ in returned)))
         previous = _RESULTS.get(world, [[] for _ in range(world)])
-        _RESULTS[world] = [previous[r] + pickle.loads(res[r]) for r in range(world)]
+        _RESULTS[world] = [previous[r] + returned[r][2] for r in range(world)]
     return _RESULTS[world]
 
 
 def timeline() -> str:
     """When each world ran (seconds since the pool started) and how long tests waited for results."""
-    spans = ", ".join(f"{w} ranks {a:.0f}-{b:.0f} s ({cpu:.0f} CPU s)" for w, a, b, cpu in _SPANS)
+    spans = ", ".join(f"{w} ranks {a:.0f}-{b:.0f} s ({cpu:.0f} CPU s, {start:.0f} starting)"
+                      for w, a, b, cpu, start in _SPANS)
     return f"pool timeline: {spans}; tests waited {_WAITED[0]:.0f} s for pooled results"
 
 
-def timings() -> list[tuple[float, float, int, str]]:
-    """(seconds on rank 0, CPU seconds of all ranks, world size, job) of every job run so far, slowest first."""
+def timings() -> list[tuple[float, float, int, str, int]]:
+    """(seconds on rank 0, CPU seconds of all ranks, world size, job, frames compiled on rank 0) of
+    every job run so far, slowest first."""
     out = []
     for world, results in _RESULTS.items():
         for k, j in enumerate(_JOBS[world]):
             if k < len(results[0]):
                 cpu = sum(r[k][3] for r in results)
-                out.append((results[0][k][2], cpu, world, f"{j.fn.__module__}.{j.fn.__qualname__}"))
+                out.append((results[0][k][2], cpu, world, f"{j.fn.__module__}.{j.fn.__qualname__}", results[0][k][4]))
     return sorted(out, reverse=True)

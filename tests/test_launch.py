@@ -6,9 +6,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autopar.launch import RankError, free_port, init_distributed, spawn
+from autopar.launch import RankError, free_port, init_distributed, preload_in_forkserver, spawn
 
 # Functions handed to spawn are module-level so the spawned ranks can unpickle them.
+
+# The failure tests fork their ranks from the fork server: how spawn catches a failed rank does not
+# depend on how the rank's process started, and a new interpreter costs seconds of imports per rank.
+# test_results_come_back_per_rank_with_env starts its ranks as spawn does by default.
+FAILING = "forkserver"
 
 
 def _report(rank, world_size, offset):
@@ -21,6 +26,14 @@ def _report(rank, world_size, offset):
         "mark": os.environ.get("AUTOPAR_TEST_MARK"),
         "omp": os.environ["OMP_NUM_THREADS"],
     }
+
+
+def _forked(rank, world_size, tensors=()):
+    value = torch.tensor([float(rank)])
+    dist.all_reduce(value)
+    return {"sum": value.item(), "threads": torch.get_num_threads(), "omp": os.environ["OMP_NUM_THREADS"],
+            "mark": os.environ.get("AUTOPAR_TEST_MARK"), "parent": os.environ.get("AUTOPAR_TEST_PARENT"),
+            "rank": os.environ["RANK"], "tensors": float(sum(t.sum() for t in tensors))}
 
 
 def _boom_on_rank_1(rank, world_size, pid_dir):
@@ -51,6 +64,27 @@ def _hang_on_rank_1(rank, world_size):
         time.sleep(3600)
 
 
+def test_forkserver_ranks_get_the_environment_of_the_call(monkeypatch):
+    """Ranks forked from the fork server (started with torch imported) see this process's environment
+    as it is at the call, ``env``, their RANK and a thread count of their share of the cores."""
+    monkeypatch.setenv("AUTOPAR_TEST_PARENT", "there when the server may start")
+    assert {r["parent"] for r in spawn(_forked, 2, start_method="forkserver")} == {"there when the server may start"}
+    monkeypatch.setenv("AUTOPAR_TEST_PARENT", "set after the server started")
+    # more tensors than the fork server could pass as file descriptors (256)
+    tensors = [torch.full((2,), float(k)) for k in range(300)]
+    results = spawn(_forked, 2, tensors, env={"AUTOPAR_TEST_MARK": "seen"}, start_method="forkserver")
+    share = max(1, os.cpu_count() // 2)
+    assert [r["sum"] for r in results] == [1.0, 1.0]
+    assert [r["rank"] for r in results] == ["0", "1"]
+    assert all(r["tensors"] == 2 * sum(range(300)) for r in results)
+    assert all(r["threads"] == share and r["omp"] == str(share) for r in results)
+    assert all(r["mark"] == "seen" and r["parent"] == "set after the server started" for r in results)
+    with pytest.raises(RuntimeError, match="fork server has started already"):
+        preload_in_forkserver(["json"])
+    with pytest.raises(ValueError, match="'spawn' or 'forkserver'"):
+        spawn(_forked, 2, start_method="fork")
+
+
 def test_results_come_back_per_rank_with_env():
     world = 4
     results = spawn(_report, world, 10, env={"AUTOPAR_TEST_MARK": "seen"})
@@ -65,7 +99,7 @@ def test_results_come_back_per_rank_with_env():
 
 def test_raising_rank_is_reported_and_others_are_killed(tmp_path):
     with pytest.raises(RankError) as info:
-        spawn(_boom_on_rank_1, 3, tmp_path, timeout=120)
+        spawn(_boom_on_rank_1, 3, tmp_path, timeout=120, start_method=FAILING)
     # from the failure, not from the start: three ranks importing torch on a loaded machine take a while
     assert time.time() - float((tmp_path / "failed_at").read_text()) < 30
     message = str(info.value)
@@ -85,14 +119,14 @@ def test_raising_rank_is_reported_and_others_are_killed(tmp_path):
 )
 def test_dead_rank_is_reported(fn, expected):
     with pytest.raises(RankError, match=r"rank 1 died without raising") as info:
-        spawn(fn, 2, timeout=60)
+        spawn(fn, 2, timeout=60, start_method=FAILING)
     assert expected in str(info.value)
 
 
 def test_timeout_names_unfinished_ranks():
     start = time.monotonic()
     with pytest.raises(TimeoutError) as info:
-        spawn(_hang_on_rank_1, 2, timeout=30)  # long enough for rank 0 to start and return on a busy machine
+        spawn(_hang_on_rank_1, 2, timeout=30, start_method=FAILING)  # long enough for rank 0 to start and return on a busy machine
     assert time.monotonic() - start < 45
     assert str(info.value).endswith("ranks still running: [1]")
 

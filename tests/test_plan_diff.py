@@ -29,7 +29,7 @@ def test_auto_against_megatron_differs_only_at_the_position_table(model_and_inpu
     assert megatron.diff(again) == "no differences"
     megatron.to_json(tmp_path / "a.json")
     again.to_json(tmp_path / "b.json")
-    r = cli.autopar("diff", str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    r = cli.main("diff", str(tmp_path / "a.json"), str(tmp_path / "b.json"))
     assert r.returncode == 0 and r.stdout.strip() == "no differences", r
 
 
@@ -54,5 +54,5 @@ def test_one_edited_layer_is_exactly_what_differs(model_and_inputs, tmp_path):
     path_a, path_b = tmp_path / "a.json", tmp_path / "b.json"
     megatron.to_json(path_a)
     edited.to_json(path_b)
-    r = cli.autopar("diff", str(path_a), str(path_b))
+    r = cli.main("diff", str(path_a), str(path_b))
     assert r.returncode == 1 and "transformer.h.2.mlp.c_fc.weight" in r.stdout

@@ -13,8 +13,8 @@ from autopar.examples.gpt import build, example_inputs
 from autopar.placement import Shard, local_shape
 
 
-def _autopar(*args, timeout=180):
-    return cli.autopar(*args, timeout=timeout)
+def _autopar(*args):
+    return cli.main(*args)
 
 
 @pytest.fixture(scope="module")

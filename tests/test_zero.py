@@ -31,7 +31,7 @@ def _one(rank, world, mesh, zero, optimizer, knobs):
     # tests/test_keep_gathered.py runs its choice)
     pm = autopar.parallelize(model, mesh, (idx, tgt), zero=zero, plan=plan, keep_gathered=(),
                              **{"compile": False, **knobs})
-    loss, gathers = counted_gathers_step(pm, (idx, tgt))
+    loss, gathers = counted_gathers_step(pm, (idx, tgt), count=not knobs.get("compile"))
     grads = pm.full_grads()
     held = {fqn: (p.shape[0], pm.plan.param(fqn).local_shape[0], pm.dp_rows(fqn), pm.coords["dp"])
             for fqn, p in pm.named_parameters()}

@@ -44,7 +44,7 @@ def test_quick_calibration_writes_a_profile_that_loads(profile):
     # the quick mode's promise on a CPU (with slack for a machine shared by other jobs)
     assert data["calibration"]["seconds"] < 60
 
-    r = cli.autopar("plan", "tiny", "--mesh", "1,1,1", "--device", str(profile), timeout=300)
+    r = cli.main("plan", "tiny", "--mesh", "1,1,1", "--device", str(profile))
     assert r.returncode == 0, r.stderr
     assert "for mesh dp=1 pp=1 tp=1 on cpu (measured)" in r.stdout
 
