@@ -264,9 +264,10 @@ class _Unkeyed(Exception):
 def _trace_key(op, args, kwargs) -> tuple | None:
     """What a fake tensor op's traced value is a function of: the op and, for each argument, its
     value, or a tensor's metadata (shape, strides, dtype, device, offset, layout, flags; fake
-    tensors have no data), the same metadata the fake mode's own dispatch cache keys on. None for
-    an op whose value depends on more (data-dependent or dynamic output shapes, mutation, a fake
-    tensor standing for a known constant), which is traced each time."""
+    tensors have no data), as the fake mode's own dispatch cache keys it (its further fields, the
+    grad mode and dispatch state, are the same for every op of one pass). None for an op whose
+    value depends on more (data-dependent or dynamic output shapes, mutation, a fake tensor standing
+    for a known constant), which is traced each time."""
     if not isinstance(op, torch._ops.OpOverload) or op._schema.is_mutable or any(
             t in op.tags for t in (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)):
         return None
