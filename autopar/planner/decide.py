@@ -457,8 +457,8 @@ def _cut_cannot_fit(mesh, peak_floor: float, limit: float, stages) -> bool:
     """Whether no pipeline stage cut fits ``limit`` bytes, so that planning raises (the stage DP's
     ValueError), given ``peak_floor`` (``_zero_floors``): with pp > 1 and the cut the DP's own (no
     ``stages=``), every cut's busiest rank holds at least 1/pp of the units' static bytes, which are
-    the parameter state the floor counts (``cost_model.stages.state_floor``: its per-byte figure is
-    ``state_bytes_per_param_byte``'s with gradients held, as they are over m >= pp microbatches).
+    at least the parameter state the floor counts (``cost_model.stages.state_floor``, whose per-byte
+    figure is the units' ``state_bytes_per_param_byte``, less the gradients at one microbatch).
     The DP accepts a rank within a relative 1e-9 of the budget: a margin of 1e-6 keeps clear of it."""
     return mesh.pp > 1 and stages is None and peak_floor > limit * (1 + 1e-6)
 
