@@ -36,9 +36,11 @@ The pass runs first, on the captured graph (before the tp rewrite, which then se
 """
 from __future__ import annotations
 
+import copy
 import math
 import operator
 import weakref
+from types import SimpleNamespace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -85,6 +87,13 @@ def cp_pass(gm: GraphModule, *, size: int, rank: int, group: str, seq: int, atte
     if refused:
         raise ContextParallelError(f"cp_attention='ring': {refused}")
     out = copy_graph(gm)
+    _split(out, size=size, rank=rank, group=group, seq=seq, attention=attention)
+    out.recompile()
+    return out
+
+
+def _split(out, *, size: int, rank: int, group: str, seq: int, attention: str) -> None:
+    """``cp_pass``'s rewrite of ``out`` (a copy of the captured graph, with its ``graph`` and ``meta``), in place."""
     g = out.graph
     inputs = [n for n in g.nodes if n.op == "placeholder" and n.meta.get("kind") == "input"]
     labels = dim_labels(out, inputs)
@@ -105,8 +114,6 @@ def cp_pass(gm: GraphModule, *, size: int, rank: int, group: str, seq: int, atte
                 out.meta["cp_cuts"][made[(u, dim)].name] = consumer.name
             consumer.replace_input_with(u, made[(u, dim)])
     _localize(out, local | set(made.values()), size, rank, group, seq, C.CP_ATTENTIONS[attention])
-    out.recompile()
-    return out
 
 
 def ring_refusal(gm: GraphModule) -> str | None:
@@ -204,6 +211,7 @@ def _localize(gm: GraphModule, local: set[Node], size: int, rank: int, group: st
     in graph order; attention and the loss become their context-parallel forms."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake: dict[Node, object] = {}
+    traced: dict[tuple, object] = {}   # ``_trace_key`` -> the value: each repeated layer's ops are traced once
 
     def val(n):
         return fake[n] if n in fake else n.meta.get("val")
@@ -235,12 +243,55 @@ def _localize(gm: GraphModule, local: set[Node], size: int, rank: int, group: st
                 elif n.target is C.context_loss_scale:
                     fake[n] = torch.empty((), dtype=torch.float32, device=args[0].device)
                 else:
-                    fake[n] = n.target(*args, **kwargs)
+                    key = _trace_key(n.target, args, kwargs)
+                    if key is None:
+                        fake[n] = n.target(*args, **kwargs)
+                    else:
+                        if key not in traced:
+                            traced[key] = n.target(*args, **kwargs)
+                        fake[n] = traced[key]
             except Exception as e:
                 raise ContextParallelError(f"context parallelism cannot run {n.name} ({n.target}) in {_where(n)} on "
                                            f"a sequence shard: {e}") from None
     for n, v in fake.items():
         n.meta["val"] = v
+
+
+class _Unkeyed(Exception):
+    """An argument whose traced value may depend on more than ``_frozen`` keeps of it."""
+
+
+def _trace_key(op, args, kwargs) -> tuple | None:
+    """What a fake tensor op's traced value is a function of: the op and, for each argument, its
+    value, or a tensor's metadata (shape, strides, dtype, device, offset, layout, flags; fake
+    tensors have no data), as the fake mode's own dispatch cache keys it (its further fields, the
+    grad mode and dispatch state, are the same for every op of one pass). None for an op whose
+    value depends on more (data-dependent or dynamic output shapes, mutation, a fake tensor standing
+    for a known constant), which is traced each time."""
+    if not isinstance(op, torch._ops.OpOverload) or op._schema.is_mutable or any(
+            t in op.tags for t in (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)):
+        return None
+    try:
+        return op, _frozen(args), _frozen(kwargs)
+    except _Unkeyed:
+        return None
+
+
+def _frozen(a):
+    """``a`` as a hashable key (``_trace_key``): containers item by item, tensors by metadata."""
+    if isinstance(a, torch.Tensor):
+        if getattr(a, "constant", None) is not None:
+            raise _Unkeyed
+        return (type(a), tuple(a.shape), a.stride(), a.dtype, a.device, a.storage_offset(), a.layout,
+                a.requires_grad, a.is_conj(), a.is_neg())
+    if isinstance(a, (list, tuple)):
+        return type(a), tuple(_frozen(x) for x in a)
+    if isinstance(a, dict):
+        return dict, tuple((k, _frozen(v)) for k, v in a.items())
+    if a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                   torch.memory_format)):
+        return type(a), a   # the type too: 1, 1.0 and True are equal keys
+    raise _Unkeyed
 
 
 def _shape(v) -> tuple[int, ...]:
@@ -369,7 +420,10 @@ def check_context(cap, cp: int) -> None:
         raise ContextParallelError(f"cp={cp} splits the sequence dim (dim 1) of the first input, but it is "
                                    f"{list(shape_of(cap.inputs[0])) if cap.inputs else 'missing'}: pass token ids "
                                    "of shape (batch, sequence), or use cp=1")
-    cp_pass(cap.gm, size=cp, rank=0, group="", seq=shape_of(cap.inputs[0])[1])
+    check_sequence(shape_of(cap.inputs[0])[1], cp)
+    # cp_pass's rewrite on a copy of the graph, without the code a GraphModule would compile for it
+    _split(SimpleNamespace(graph=copy.deepcopy(cap.gm.graph), meta={}), size=cp, rank=0, group="",
+           seq=shape_of(cap.inputs[0])[1], attention="allgather")
     _CHECKED.setdefault(cap.gm.graph, set()).add(cp)
 
 

@@ -95,11 +95,15 @@ def override_bounds(stages, units: list[Unit], n_stages: int):
                 raise PlanError(f"stages=: module {m!r} is listed in stage {owner[m]} and stage {s}")
             owner[m] = s
     def listed(module: str):
-        """The stage of ``module`` or of the listed module that contains it."""
-        for m, s in owner.items():
-            if module == m or module.startswith(m + "."):
-                return s
-        return None
+        """The stage of ``module`` or of the innermost listed module that contains it: a stage that
+        lists a model's outer module (a Hugging Face ``model`` whose forward has ops of its own) does
+        not take the layers that other stages list inside it."""
+        while True:
+            if module in owner:
+                return owner[module]
+            if "." not in module:
+                return None
+            module = module.rsplit(".", 1)[0]
 
     placed = []
     for u in units:

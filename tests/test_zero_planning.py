@@ -225,3 +225,60 @@ def test_the_mesh_search_skips_only_zero_stages_that_cannot_be_chosen(monkeypatc
                 continue
             assert floors[z][0] <= one.peak_memory and floors[z][1] <= one.step_time, (mesh, z)
     assert skipped > 0   # the floors did skip stages here
+
+
+def test_the_mesh_search_skips_stages_that_cannot_fit_or_have_no_cut(monkeypatch):
+    """Where no ZeRO stage fits, ``_decide_zero(prune=True)`` skips a stage whose peak floor is above the least
+    peak planned, and with pipeline stages one whose peak floor is above the budget (it has no stage cut): the
+    Decision it keeps, or the error it raises, is the one planning every stage gives; and each stage skipped
+    for want of a cut does raise when planned."""
+    from autopar.mesh import Mesh
+    from autopar.planner import decide as d
+
+    model = build("gpt2", device="meta", n_layer=4)
+    inputs = example_inputs(model.config, 16, 1024, device="meta")
+    captures = {}
+
+    def capture(x):
+        key = tuple(t.shape for t in x)
+        if key not in captures:
+            captures[key] = d.capture_pass(model, x, require_loss=True)
+        return captures[key]
+    knobs = dict(plan="auto", sequence_parallel="auto", schedule="1F1B", gpus_per_node=8, stages=None,
+                 virtual_stages=None, recompute="auto", precision="bf16", capture=capture, offload="none",
+                 keep_gathered="auto")
+    planned = []
+    decide_one = d._decide
+    monkeypatch.setattr(d, "_decide", lambda *a, **k: planned.append(k["zero"]) or decide_one(*a, **k))
+
+    def outcome(prune, **kw):
+        try:
+            one = d._decide_zero(model, mesh, inputs, zero="auto", prune=prune, **kw)
+        except ValueError as e:
+            return str(e)
+        return one.fields["zero"], one.step_time, one.peak_memory
+
+    no_cut = least = 0
+    for mesh, m, budget in ((Mesh(16, 1, 1), 1, 2**27), (Mesh(8, 2, 1), 2, 2**28), (Mesh(4, 4, 1), 4, 2**28),
+                            (Mesh(4, 4, 1), 4, 2**26)):
+        kw = dict(microbatches=m, memory_budget=budget, device="h100", **knobs)
+        full = outcome(False, **kw)
+        planned.clear()
+        assert outcome(True, **kw) == full, mesh
+        floors = d._zero_floors(mesh, inputs, choices=(0, 1, 2, 3), device="h100", **{**knobs, "microbatches": m})
+        peaks = {}
+        for z in (0, 1, 2, 3):
+            try:
+                peaks[z] = decide_one(model, mesh, inputs, zero=z, memory_budget=budget, device="h100",
+                                      microbatches=m, **knobs).peak_memory
+            except ValueError:
+                peaks[z] = None
+            assert peaks[z] is None or peaks[z] > budget, (mesh, z)   # no stage fits in these cases
+            if d._cut_cannot_fit(mesh, floors[z][0], budget, None):
+                assert peaks[z] is None, (mesh, z)
+                no_cut += z not in planned
+        for z in set(range(4)) - set(planned):
+            if peaks[z] is not None:   # skipped with a plan: it does not have the least peak
+                assert peaks[z] > min(p for p in peaks.values() if p is not None), (mesh, z)
+                least += 1
+    assert no_cut > 0 and least > 0   # both rules did skip stages here

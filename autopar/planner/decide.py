@@ -403,12 +403,15 @@ def _decide_zero(model, mesh, example_inputs, *, zero, memory_budget, device, pr
     A given plan keeps its own stage.
 
     ``prune`` (the mesh ranking, which plans its winner again without it): a stage whose floors
-    (``_zero_floors``) show it cannot be chosen is not planned. Once a stage fits, a stage whose
-    peak floor is above the budget cannot fit, and one whose step floor exceeds the fastest fitting
-    stage's step cannot be the fastest: neither is kept, so the choice, and every figure of the
-    Decision returned, is the one planning every stage gives; only the note listing the stages
-    is shorter. When no planned stage fits, the skipped ones are planned too (the least peak is
-    kept then)."""
+    (``_zero_floors``) show it cannot be chosen is not planned, so the choice, and every figure of
+    the Decision returned, is the one planning every stage gives; only the note listing the stages
+    is shorter. Once a stage fits, a stage whose peak floor is above the budget cannot fit, and one
+    whose step floor exceeds the fastest fitting stage's step cannot be the fastest. While none
+    fits, a stage whose peak floor is above the least peak planned cannot fit either (that peak is
+    above the budget) nor have the least peak. With pipeline stages, a stage whose peak floor is
+    above the budget has no stage cut within it (``_cut_cannot_fit``) and its plan raises: it is
+    not planned, but for the last stage, whose error is the one raised when no stage has a plan.
+    The stages that may fit are planned first, then the others by their peak floors, least first."""
     if zero != "auto" or isinstance(knobs["plan"], Plan):
         return _decide(model, mesh, example_inputs, zero=0 if zero == "auto" else zero,
                        memory_budget=memory_budget, device=device, **knobs)
@@ -422,19 +425,17 @@ def _decide_zero(model, mesh, example_inputs, *, zero, memory_budget, device, pr
         # a stage fails with no plan within the budget (the ILP's, the stage DP's)
         tried, _ = _each_choice(stages, decide_at)
     else:
-        tried, failed, skipped = {}, {}, []
-        # the stages that may fit first, so that a fit is known before the others are weighed
-        for z in sorted(stages, key=lambda z: floors[z][0] > limit):
+        tried, failed = {}, {}
+        for z in sorted(stages, key=lambda z: (floors[z][0] > limit, max(floors[z][0], limit))):
             peak_floor, step_floor = floors[z]
-            fastest = min((d.step_time for d in tried.values() if d.peak_memory <= limit), default=None)
-            if fastest is not None and (peak_floor > limit or step_floor > fastest):
-                skipped.append(z)
+            fitting = [d.step_time for d in tried.values() if d.peak_memory <= limit]
+            if fitting and (peak_floor > limit or step_floor > min(fitting)):
+                continue
+            if not fitting and tried and peak_floor > min(d.peak_memory for d in tried.values()):
+                continue
+            if z != stages[-1] and _cut_cannot_fit(mesh, peak_floor, limit, knobs["stages"]):
                 continue
             one, bad = _each_choice([z], decide_at, quiet=True)
-            tried.update(one)
-            failed.update(bad)
-        if not any(d.peak_memory <= limit for d in tried.values()):
-            one, bad = _each_choice(skipped, decide_at, quiet=True)
             tried.update(one)
             failed.update(bad)
         if not tried:
@@ -450,6 +451,16 @@ def _decide_zero(model, mesh, example_inputs, *, zero, memory_budget, device, pr
         best.fields["notes"] = best.fields.get("notes", ()) + (
             f"zero chosen automatically: zero={best.fields['zero']}, {why} ({rows})",)
     return best
+
+
+def _cut_cannot_fit(mesh, peak_floor: float, limit: float, stages) -> bool:
+    """Whether no pipeline stage cut fits ``limit`` bytes, so that planning raises (the stage DP's
+    ValueError), given ``peak_floor`` (``_zero_floors``): with pp > 1 and the cut the DP's own (no
+    ``stages=``), every cut's busiest rank holds at least 1/pp of the units' static bytes, which are
+    at least the parameter state the floor counts (``cost_model.stages.state_floor``, whose per-byte
+    figure is the units' ``state_bytes_per_param_byte``, less the gradients at one microbatch).
+    The DP accepts a rank within a relative 1e-9 of the budget: a margin of 1e-6 keeps clear of it."""
+    return mesh.pp > 1 and stages is None and peak_floor > limit * (1 + 1e-6)
 
 
 def _zero_floors(mesh, example_inputs, *, choices, device, plan, microbatches, capture, precision, gpus_per_node,

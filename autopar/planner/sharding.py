@@ -374,9 +374,11 @@ def strategies_from_plan(cap: Captured, options: dict[Node, list[Strategy]], pla
 
 def with_regather(strategies: dict[Node, Strategy]) -> dict[Node, Strategy]:
     """The strategies with every eligible sequence-parallel linear re-gathering its input in
-    backward: (t-1)/t of those inputs' activation memory traded for one all-gather each."""
-    return {n: dataclasses.replace(s, regather=True) if regather_candidate(n, strategies) else s
-            for n, s in strategies.items()}
+    backward: (t-1)/t of those inputs' activation memory traded for one all-gather each. A node's
+    re-gathering strategy is made once per strategy it replaces (``cost_model.memo``), so plans that
+    re-gather the same way share the prices computed for its objects."""
+    return {n: cached(n.graph, ("regather", n), lambda s=s: dataclasses.replace(s, regather=True), s)
+            if regather_candidate(n, strategies) else s for n, s in strategies.items()}
 
 
 def pin_parameters(options: dict[Node, list[Strategy]], cap: Captured, placements: dict[str, Placement]):
