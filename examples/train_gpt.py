@@ -279,10 +279,11 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def run(argv=None) -> dict:
+def run(argv=None, start_method: str = "spawn") -> dict:
     """Parses ``argv``, trains, and returns rank 0's result (see ``train_rank``); raises ValueError on bad options.
 
-    Under ``torchrun`` this process is one rank; otherwise it spawns one process per rank of the mesh."""
+    Under ``torchrun`` this process is one rank; otherwise it starts one process per rank of the mesh
+    (``start_method``: ``autopar.launch.spawn``'s)."""
     from autopar.launch import guard, init_distributed, spawn
 
     job = make_job(build_parser().parse_args(argv))
@@ -296,7 +297,7 @@ def run(argv=None) -> dict:
     from autopar.examples import train_gpt as this   # by import name, so spawned ranks can unpickle it
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
     return spawn(this.train_rank, world, job, backend=backend, timeout=job["timeout"],
-                 env={"TORCHINDUCTOR_CACHE_DIR": cache})[0]
+                 env={"TORCHINDUCTOR_CACHE_DIR": cache}, start_method=start_method)[0]
 
 
 def main(argv=None) -> int:

@@ -105,7 +105,7 @@ FOUR = pool.job(4, _four_in, workdir=True)
 def runs():
     four = FOUR.result()
     root = Path(FOUR.path)   # what the four ranks saved, for the one rank to read
-    one = spawn(_one_rank, 1, root, timeout=300)[0]
+    one = spawn(_one_rank, 1, root, timeout=300, start_method="forkserver")[0]
     return root, four, one
 
 

@@ -15,6 +15,7 @@ from autopar.launch import RankError, free_port, spawn
 from autopar.runtime.parallel_model import ParallelModel
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
+# spawn's ranks are forked from the fork server (imports done once); torchrun starts its own below
 BOUND_S = 60
 
 
@@ -57,7 +58,7 @@ def _all_gone(pid_dir):
 
 def test_rank_killed_mid_step_stops_every_rank(tmp_path):
     with pytest.raises(RankError) as info:
-        spawn(_train_and_fail, 2, "sigkill", tmp_path, timeout=300)
+        spawn(_train_and_fail, 2, "sigkill", tmp_path, timeout=300, start_method="forkserver")
     assert time.time() - float((tmp_path / "failed_at").read_text()) < BOUND_S
     assert "rank 1 died without raising (killed by SIGKILL" in str(info.value)
     assert _all_gone(tmp_path)
@@ -65,7 +66,7 @@ def test_rank_killed_mid_step_stops_every_rank(tmp_path):
 
 def test_rank_raising_mid_step_reaches_the_caller(tmp_path):
     with pytest.raises(RankError) as info:
-        spawn(_train_and_fail, 2, "raise", tmp_path, timeout=300)
+        spawn(_train_and_fail, 2, "raise", tmp_path, timeout=300, start_method="forkserver")
     assert time.time() - float((tmp_path / "failed_at").read_text()) < BOUND_S
     message = str(info.value)
     assert message.startswith("rank 1 failed:")

@@ -7,13 +7,15 @@ from autopar.examples import train_gpt
 TINY = ["--mesh", "1,1,2", "--layers", "2", "--heads", "2", "--embd", "32", "--seq", "32", "--batch", "8",
         "--lr", "1e-2", "--deterministic", "--log-every", "100"]
 STEPS, SAVED_AT = 40, 30
+# ranks forked from the fork server: the training is what is tested here, not a rank's start-up
+FORKED = "forkserver"
 
 
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("ckpt")
     result = train_gpt.run([*TINY, "--steps", str(STEPS), "--checkpoint-dir", str(ckpt),
-                            "--checkpoint-every", str(SAVED_AT)])
+                            "--checkpoint-every", str(SAVED_AT)], start_method=FORKED)
     return result, ckpt
 
 
@@ -41,7 +43,8 @@ def test_loss_falls(first_run):
 def test_resume_continues_the_same_losses(first_run):
     result, ckpt = first_run
     assert sorted(p.name for p in ckpt.iterdir()) == [f"step-{SAVED_AT:06d}", f"step-{STEPS:06d}"]
-    resumed = train_gpt.run([*TINY, "--steps", str(SAVED_AT + 5), "--resume", str(ckpt / f"step-{SAVED_AT:06d}")])
+    resumed = train_gpt.run([*TINY, "--steps", str(SAVED_AT + 5), "--resume", str(ckpt / f"step-{SAVED_AT:06d}")],
+                            start_method=FORKED)
     assert resumed["first_step"] == SAVED_AT + 1
     assert resumed["losses"] == result["losses"][SAVED_AT:SAVED_AT + 5]   # deterministic mode: bit for bit
 
