@@ -31,7 +31,8 @@ def pytest_unconfigure(config):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The pooled rank jobs' own times (pytest's durations charge a job to whichever test first waits for its pool)."""
+    """The pooled rank jobs' own times (pytest's durations charge a job to whichever test first waits for its
+    pool): the 20 slowest, or as many as AUTOPAR_POOL_ROWS says, with the frames each compiled."""
     import pool
 
     rows = pool.timings()

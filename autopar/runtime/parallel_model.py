@@ -26,6 +26,7 @@ from autopar.passes.units import stage_of_nodes, zero_units
 from autopar.passes.zero import gather_name, shard_rows, unit_params, zero_pass
 from autopar.placement import Shard, local_shape, parse_placement, shard_tensor
 from autopar.kernels.fused_linear_ce import triton_available
+from autopar.runtime.compile_once import peer_order
 from autopar.runtime.master_weights import MasterAdamW, WorkingWeights
 from autopar.runtime.offload import HostMasters, OffloadOptimizer, Zero1OffloadOptimizer, host_optimizer
 from autopar.runtime.pipeline import Pipeline
@@ -170,15 +171,17 @@ class ParallelModel:
         self.loss_scaler = LossScaler() if plan.precision == "fp16" else None
         self.step_skipped = False
         self._pipeline = None
+        order = peer_order(self.coords) if uses_inductor(compile) else None
         if mesh.pp > 1:
             self._pipeline = Pipeline(gm, self._stage_of(cap, plan, units, gathers, cuts), plan, dmesh,
                                       rank=self.coords["pp"], materialize=materialize,
                                       buffers=self._buffers, device=self._device, prepare=self._casts,
-                                      loss_scale=lambda: self.loss_scale, wrap=lambda g: lower(g, compile, regather=plan.zero == 3))
+                                      loss_scale=lambda: self.loss_scale,
+                                      wrap=lambda g: lower(g, compile, regather=plan.zero == 3, order=order))
             self._params = self._pipeline.params
         else:
             self._params = materialize(set(cap.params))
-            self._fn = lower(gm, compile, regather=plan.zero == 3)
+            self._fn = lower(gm, compile, regather=plan.zero == 3, order=order)
         self._zero = (Zero1(self._params, {f for f in self._params if self._sharded(f)}, group=self._shard_group,
                             size=mesh.dp_shard, rank=self.coords["dp_shard"], norm=self._norm, **across)
                       if plan.zero == 1 else None)
@@ -541,19 +544,32 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 MODES = ("default", "max-autotune-no-cudagraphs", *CUDA_GRAPH_MODES)
 
 
-def lower(gm: torch.fx.GraphModule, compile, *, regather: bool = False):
+def lower(gm: torch.fx.GraphModule, compile, *, regather: bool = False, order=None):
     """``gm`` as a rank runs it: ``compile`` True lowers through Inductor, one of ``MODES`` through
     Inductor in that torch.compile mode, another string or a callable names a torch.compile
     backend (e.g. "aot_eager"), False runs it eagerly. ``regather`` (ZeRO-3): Inductor re-gathers
     the weights in the backward instead of saving the forward's gathered copies
-    (``autopar.overlap.RegatherInBackward``; AOTAutograd would otherwise merge the two gathers)."""
+    (``autopar.overlap.RegatherInBackward``; AOTAutograd would otherwise merge the two gathers).
+    ``order`` (a ``compile_once.CompileOrder``): Inductor's compiles wait for the peer that
+    compiles them first."""
     if not compile:
         return gm
-    if compile is True and regather:
-        return torch.compile(gm, options={"joint_custom_pre_pass": RegatherInBackward()})
+    options = {"joint_custom_pre_pass": RegatherInBackward()} if compile is True and regather else None
+    if order is not None and uses_inductor(compile):
+        backend = (torch._TorchCompileInductorWrapper(None if compile is True else compile, options, None)
+                   if compile is True or compile in MODES else compile)
+        return torch.compile(gm, backend=order.wrap(backend))
     if compile is True or compile in MODES:
-        return torch.compile(gm, mode=None if compile is True else compile)
+        return torch.compile(gm, mode=None if compile is True else compile, options=options)
     return torch.compile(gm, backend=compile)
+
+
+def uses_inductor(compile) -> bool:
+    """Whether ``compile`` lowers through Inductor: True, a mode, "inductor", or a partial of
+    Inductor's ``compile_fx`` (``autopar.overlap.overlap_backend``)."""
+    from torch._inductor.compile_fx import compile_fx
+    return (compile is True or compile in MODES or compile == "inductor"
+            or (isinstance(compile, functools.partial) and compile.func is compile_fx))
 
 
 def _prefetches(compile) -> bool:
