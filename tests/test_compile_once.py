@@ -107,3 +107,25 @@ def test_the_peer_of_the_leader_finds_its_graphs_in_the_cache():
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         for name, g in ref_grads.items():
             torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5)
+
+
+def test_only_inductor_compiles_take_turns(monkeypatch):
+    """With peers, Inductor (True, a mode, an overlap backend) compiles in turn, with the options it
+    has without peers; another backend ("aot_eager": no cache to share) compiles as it is."""
+    from autopar.overlap import overlap_backend
+    from autopar.runtime.parallel_model import lower
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda gm, **kw: seen.append(kw) or gm)
+    gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    order = CompileOrder("t", leader=True, store=dist.HashStore())
+    overlap = overlap_backend("scheduler")
+    for compile, regather in ((True, False), (True, True), ("max-autotune-no-cudagraphs", False),
+                              (overlap, False), ("aot_eager", False)):
+        lower(gm, compile, regather=regather, order=order)
+    plain, regathered, mode, overlapped, eager = (kw["backend"] for kw in seen)
+    assert isinstance(plain, compile_once._Ordered) and plain.backend.config == {}
+    assert set(regathered.backend.config) == {"joint_custom_pre_pass"}
+    assert mode.backend.config == torch._TorchCompileInductorWrapper("max-autotune-no-cudagraphs", None, None).config
+    assert isinstance(overlapped, compile_once._Ordered) and overlapped.backend is overlap
+    assert eager == "aot_eager"

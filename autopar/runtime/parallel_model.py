@@ -559,8 +559,10 @@ def lower(gm: torch.fx.GraphModule, compile, *, regather: bool = False, order=No
         backend = (torch._TorchCompileInductorWrapper(None if compile is True else compile, options, None)
                    if compile is True or compile in MODES else compile)
         return torch.compile(gm, backend=order.wrap(backend))
+    if options:
+        return torch.compile(gm, options=options)
     if compile is True or compile in MODES:
-        return torch.compile(gm, mode=None if compile is True else compile, options=options)
+        return torch.compile(gm, mode=None if compile is True else compile)
     return torch.compile(gm, backend=compile)
 
 
