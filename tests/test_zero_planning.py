@@ -186,10 +186,10 @@ def test_pipeline_stages_keep_what_fits_too():
     assert again.diff(part) == "no differences"
 
 
-def test_the_mesh_search_skips_only_zero_stages_that_cannot_be_chosen(monkeypatch):
-    """``_decide_zero(prune=True)`` skips a stage only when its floors lose: the Decision it keeps is the one
-    planning every stage keeps, field for field, and each stage's floors are below its plan's figures."""
-    from autopar.mesh import Mesh
+def _zero_search(monkeypatch):
+    """(the planner's decide module, a 4-layer gpt2 on meta, its inputs, _decide's knobs, the list of
+    the ZeRO stages _decide is called for, in order, and _decide unrecorded) for the tests of the
+    mesh search's pruning."""
     from autopar.planner import decide as d
 
     model = build("gpt2", device="meta", n_layer=4)
@@ -207,6 +207,15 @@ def test_the_mesh_search_skips_only_zero_stages_that_cannot_be_chosen(monkeypatc
     planned = []
     decide_one = d._decide
     monkeypatch.setattr(d, "_decide", lambda *a, **k: planned.append(k["zero"]) or decide_one(*a, **k))
+    return d, model, inputs, knobs, planned, decide_one
+
+
+def test_the_mesh_search_skips_only_zero_stages_that_cannot_be_chosen(monkeypatch):
+    """``_decide_zero(prune=True)`` skips a stage only when its floors lose: the Decision it keeps is the one
+    planning every stage keeps, field for field, and each stage's floors are below its plan's figures."""
+    from autopar.mesh import Mesh
+
+    d, model, inputs, knobs, planned, decide_one = _zero_search(monkeypatch)
     skipped = 0
     for mesh, m, budget in ((Mesh(16, 1, 1), 1, 2**29), (Mesh(8, 2, 1), 2, 2**29), (Mesh(4, 4, 1), 4, 80 * 2**30)):
         kw = dict(microbatches=m, memory_budget=budget, device="h100", **knobs)
@@ -233,23 +242,8 @@ def test_the_mesh_search_skips_stages_that_cannot_fit_or_have_no_cut(monkeypatch
     Decision it keeps, or the error it raises, is the one planning every stage gives; and each stage skipped
     for want of a cut does raise when planned."""
     from autopar.mesh import Mesh
-    from autopar.planner import decide as d
 
-    model = build("gpt2", device="meta", n_layer=4)
-    inputs = example_inputs(model.config, 16, 1024, device="meta")
-    captures = {}
-
-    def capture(x):
-        key = tuple(t.shape for t in x)
-        if key not in captures:
-            captures[key] = d.capture_pass(model, x, require_loss=True)
-        return captures[key]
-    knobs = dict(plan="auto", sequence_parallel="auto", schedule="1F1B", gpus_per_node=8, stages=None,
-                 virtual_stages=None, recompute="auto", precision="bf16", capture=capture, offload="none",
-                 keep_gathered="auto")
-    planned = []
-    decide_one = d._decide
-    monkeypatch.setattr(d, "_decide", lambda *a, **k: planned.append(k["zero"]) or decide_one(*a, **k))
+    d, model, inputs, knobs, planned, decide_one = _zero_search(monkeypatch)
 
     def outcome(prune, **kw):
         try:
