@@ -13,8 +13,9 @@ Once collection is over, ``start()`` (called by conftest) runs every registered 
 background thread, one world after another, while the main process goes on with the tests that
 need no ranks (conftest puts the modules that read pooled jobs last): on a 2-core machine the
 main process keeps one core busy and the ranks the other. A test that asks for a world the
-thread has not reached yet moves it to the front of the thread's queue and waits for it, so the
-pool runs one spawn at a time.
+thread has not reached yet moves it to the front of the thread's queue and waits for it; while a
+test waits, a second thread runs the worlds still pending beside the first (the waiting process
+leaves its core to them), so the pool runs at most two spawns at once.
 Each rank restores the environment the session had when ``start()`` ran, so a test that sets a
 variable (monkeypatch) while a world starts does not leak it into the ranks.
 
@@ -126,7 +127,8 @@ def stop() -> None:
 
 
 def _run_quietly() -> None:
-    """The background thread: one world at a time, so that the pool never runs two spawns at once."""
+    """A background thread: the pending worlds one at a time (a second such thread may run beside
+    it while a test waits, ``_second_thread``)."""
     while True:
         with _LOCK:
             if not _PENDING:
@@ -184,8 +186,20 @@ def _run(world: int) -> list:
             _PENDING.insert(0, world)
         done = _DONE.get(world)
     if done is not None and any(t.is_alive() for t in _BACKGROUND):
+        _second_thread()
         done.wait()
     return _run_world(world)
+
+
+def _second_thread() -> None:
+    """While a test waits, this process leaves a core free: a second background thread runs the
+    worlds still pending beside the first, at most two spawns at once."""
+    with _LOCK:
+        if len([t for t in _BACKGROUND if t.is_alive()]) >= 2 or not _PENDING:
+            return
+        thread = threading.Thread(target=_run_quietly, name="autopar-test-pool-2", daemon=True)
+        _BACKGROUND.append(thread)
+    thread.start()
 
 
 def _run_world(world: int) -> list:
