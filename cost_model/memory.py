@@ -176,15 +176,22 @@ def attention_core(block_nodes) -> list[Node]:
 
 
 def backward_transient(node: Node, strategies: dict, size: int) -> float:
+    """Bytes of gradient buffers alive at once while ``node``'s backward runs, on top of what is kept
+    (``_backward_transient``), once per node, axis size and strategy (``cost_model.memo``): every
+    stage cut's backward walk asks for its nodes again."""
+    if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
+        return 0.0
+    return cached(node.graph, ("backward_transient", node, size),
+                  lambda: _backward_transient(node, strategies[node], size), strategies[node])
+
+
+def _backward_transient(node: Node, s, size: int) -> float:
     """Bytes of gradient buffers alive at once while ``node``'s backward runs, on top of what is kept.
 
     An op's backward holds its output's gradient and writes its inputs' gradients. Cross-entropy
     is log-softmax then NLL: two (N, V) buffers, the NLL gradient and the logits' gradient; for a
     GPT's large vocabulary this is the step's largest transient (measured on an H200: 1.59 GiB
-    for two 0.77 GiB buffers)."""
-    if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
-        return 0.0
-    s = strategies[node]
+    for two 0.77 GiB buffers). ``s``: the node's strategy."""
     ins = [(a, s.inputs[k]) for k, a in enumerate(node.all_input_nodes)
            if a.meta.get("kind") not in ("param", "buffer") and isinstance(a.meta.get("val"), torch.Tensor)
            and a.meta["val"].is_floating_point()]
@@ -293,20 +300,34 @@ def _read_nodes(nodes: tuple, recompute: tuple) -> tuple:
     return cached(nodes[0].graph, ("read_nodes", nodes, recompute), compute)
 
 
+def _eager_saves(n: Node, strategies: dict, size: int) -> tuple:
+    """((storage key, bytes, whether only fused backward code reads it), ...) of what ``n`` keeps
+    under eager autograd and still costs under torch.compile (``_input_bytes`` for graph inputs):
+    ``_compiled_kept``'s starting set, node by node. It reads only the strategies of ``n`` and its
+    inputs, so it is computed once per node, axis size and those strategies (``cost_model.memo``):
+    each stage cut of the ranking asks again for the nodes of its stages."""
+    def compute():
+        out = []
+        for key, nbytes in saved_tensors(n, strategies, size):
+            src = _graph_input(key[0])
+            nbytes = nbytes if src is None else _input_bytes(n, src, nbytes)
+            if nbytes:
+                out.append((key, nbytes, _fused_backward(n)))
+        return tuple(out)
+    return cached(n.graph, ("eager_saves", n, size), compute, strategies[n], *map(strategies.get, n.all_input_nodes))
+
+
 def _compiled_kept(nodes, strategies: dict, size: int, recompute) -> dict:
     in_region = {n for region in recompute for n in region}
     kept, fused_only, at = {}, {}, {}
     for n in nodes:
         if n.op != "call_function" or n in in_region:
             continue
-        for key, nbytes in saved_tensors(n, strategies, size):
-            src = _graph_input(key[0])
-            nbytes = nbytes if src is None else _input_bytes(n, src, nbytes)
-            if nbytes:
-                kept.setdefault(key, nbytes)
-                fused_only[key] = fused_only.get(key, True) and _fused_backward(n)
-                if key[1] not in ("mask", "stats", "lse"):   # the tensor itself, not a by-product
-                    at.setdefault(key[0], key)
+        for key, nbytes, fused in _eager_saves(n, strategies, size):
+            kept.setdefault(key, nbytes)
+            fused_only[key] = fused_only.get(key, True) and fused
+            if key[1] not in ("mask", "stats", "lse"):   # the tensor itself, not a by-product
+                at.setdefault(key[0], key)
         if n.target is aten.cross_entropy_loss.default:
             shp = local_shape(tuple(n.args[0].meta["val"].shape), strategies[n].inputs[0], size)
             kept[(n, "lse")] = 8.0 * math.prod(shp[:-1])
@@ -461,9 +482,15 @@ def local_param_bytes(cap, strategies, fqns, tp: int) -> dict[str, float]:
 
 
 def stage_fqns(cap, nodes) -> list[str]:
-    """The FQNs of the parameters ``nodes`` (one stage's ops) use."""
-    inputs = {a for n in nodes for a in n.all_input_nodes}   # p feeds u exactly when u is among p's users
-    return [f for f, p in cap.params.items() if p in inputs]
+    """The FQNs of the parameters ``nodes`` (one stage's ops) use, once per stage (no strategy
+    changes them; every ZeRO stage and microbatch count of a cut asks again). Callers must not
+    change the list."""
+    nodes = tuple(nodes)
+
+    def compute():
+        inputs = {a for n in nodes for a in n.all_input_nodes}   # p feeds u exactly when u is among p's users
+        return [f for f, p in cap.params.items() if p in inputs]
+    return cached(cap.gm.graph, ("stage_fqns", nodes), compute)
 
 
 def kept_gathered_bytes(cap, strategies, mesh, nodes, working_copy: float):

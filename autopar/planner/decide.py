@@ -29,7 +29,7 @@ from autopar.collectives import CP_ATTENTIONS
 from autopar.cost_model.context import attention_priced, context_priced, cp_attention_seconds
 from autopar.passes.capture import Captured, capture_pass
 from autopar.passes.precision import compute_dtype, retyped, working_copy_ratio
-from autopar.passes.units import layer_units, stage_of_nodes, zero_units
+from autopar.passes.units import find_blocks, layer_units, stage_of_nodes, zero_units
 from autopar.placement import Shard
 from autopar.planner.megatron import megatron_options
 from autopar.planner.mesh_search import rank_meshes, ranking_table
@@ -559,10 +559,18 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
                                      budget=limit, zero=zero, regions=regions, offload=offload, kept=kept))
         return fields
 
-    if given is None and sp and budget is not None and _over(lambda: fields_of(assignment, "none"), budget):
-        # Megatron's storage rule before any recompute: an all-gather is cheaper than a forward
-        assignment = dataclasses.replace(assignment, strategies=with_regather(assignment.strategies))
-    fields = fields_of(assignment, recompute, kept)
+    fields = None
+    if given is None and sp and budget is not None:
+        plain = _fields_or_none(lambda: fields_of(assignment, "none"))
+        if plain is None or max(m.peak for m in plain["memory"]) > budget:
+            # Megatron's storage rule before any recompute: an all-gather is cheaper than a forward
+            assignment = dataclasses.replace(assignment, strategies=with_regather(assignment.strategies))
+        elif recompute == "auto" and not kept and find_blocks(cap):
+            # recompute="auto" recomputes nothing where nothing recomputed fits (``choose_recompute``; the
+            # cut, too, is the one made without recompute): these are its fields, already priced
+            fields = dict(plain, recompute="auto")
+    if fields is None:
+        fields = fields_of(assignment, recompute, kept)
     if given is None and keep_gathered == "auto" and zero == 3 and mesh.dp > 1:
         choice = _choose_kept(cap, assignment.strategies, mesh, dev, fields, limit, gpus_per_node)
         if choice.kept:
@@ -727,13 +735,12 @@ def _warnings(result, cap, strategies, mesh, dev, budget, gpus_per_node: int) ->
     return tuple(axis_warnings(result)) + ((fit,) if fit else ())
 
 
-def _over(make_fields, budget: float) -> bool:
-    """Whether the plan whose fields ``make_fields()`` gives misses the memory budget (or no cut fits it)."""
+def _fields_or_none(make_fields) -> dict | None:
+    """The fields ``make_fields()`` gives, or None when it finds no plan (no cut fits the budget)."""
     try:
-        fields = make_fields()
+        return make_fields()
     except ValueError:   # a PlanError, or the stage DP's: no cut fits the budget
-        return True
-    return max(m.peak for m in fields["memory"]) > budget
+        return None
 
 
 def _regions_from_plan(cap, plan: Plan) -> list:

@@ -11,6 +11,8 @@ the blocks, ``autopar.planner.ilp``), or says the smallest peak any choice reach
 """
 from __future__ import annotations
 
+import functools
+
 from autopar.cost_model.memory import attention_core, compiled_kept, host_state, stage_terms
 from autopar.cost_model.strategy import strategy_time
 from autopar.planner.ilp import InfeasibleError, solve_strategies
@@ -51,6 +53,19 @@ def memory_breakdown(cap, strategies, mesh, *, zero: int, regions, stage_nodes=N
         host = host_state(cap, strategies, mesh, nodes, zero) if offload else 0.0
         out.append(MemoryPlan(s, params, grads, opt, act, params + grads + opt + act + transient, transient, host))
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def block_modes(costs: tuple, mems: tuple, budget: float) -> tuple[int, ...] | None:
+    """Per block the index (in ``MODES``) of its recompute mode: minimise sum_k costs[k][x_k]
+    subject to sum_k mems[k][x_k] <= budget (the strategy ILP of ``autopar.planner.ilp`` with
+    no edges); None when no choice fits. A pure function of its inputs, kept per inputs: the
+    stages of one length in the middle of a pipeline, and the same stage on the meshes and ZeRO
+    stages that share its figures, ask the same question."""
+    try:
+        return tuple(solve_strategies(list(costs), [], node_memory=list(mems), memory_budget=budget).choice)
+    except InfeasibleError:
+        return None
 
 
 def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, microbatches: int = 1,
@@ -97,12 +112,11 @@ def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, mi
 
         if not mine:   # no block to recompute here: the stage fits as it is or not at all
             continue
-        try:
-            sol = solve_strategies(costs, [], node_memory=mems, memory_budget=budget - fixed)
-        except InfeasibleError:   # nothing fits this stage: its least memory
+        choice = block_modes(tuple(map(tuple, costs)), tuple(map(tuple, mems)), budget - fixed)
+        if choice is None:   # nothing fits this stage: its least memory
             chosen.update({k: "full" for k in mine})
-            continue
-        chosen.update({k: MODES[i] for k, i in zip(mine, sol.choice)})
+        else:
+            chosen.update({k: MODES[i] for k, i in zip(mine, choice)})
     modes = [chosen[k] for k in range(len(blocks))]
     regions = []
     for b, mode in zip(blocks, modes):
