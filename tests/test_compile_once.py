@@ -121,9 +121,10 @@ def test_only_inductor_compiles_take_turns(monkeypatch):
     order = CompileOrder("t", leader=True, store=dist.HashStore())
     overlap = overlap_backend("scheduler")
     for compile, regather in ((True, False), (True, True), ("max-autotune-no-cudagraphs", False),
-                              (overlap, False), ("aot_eager", False)):
+                              (overlap, False), ("aot_eager", False), ("inductor", False)):
         lower(gm, compile, regather=regather, order=order)
-    plain, regathered, mode, overlapped, eager = (kw["backend"] for kw in seen)
+    plain, regathered, mode, overlapped, eager, named = (kw["backend"] for kw in seen)
+    assert isinstance(named, compile_once._Ordered) and named.backend.config == {}
     assert isinstance(plain, compile_once._Ordered) and plain.backend.config == {}
     assert set(regathered.backend.config) == {"joint_custom_pre_pass"}
     assert mode.backend.config == torch._TorchCompileInductorWrapper("max-autotune-no-cudagraphs", None, None).config

@@ -556,8 +556,9 @@ def lower(gm: torch.fx.GraphModule, compile, *, regather: bool = False, order=No
         return gm
     options = {"joint_custom_pre_pass": RegatherInBackward()} if compile is True and regather else None
     if order is not None and uses_inductor(compile):
-        backend = (torch._TorchCompileInductorWrapper(None if compile is True else compile, options, None)
-                   if compile is True or compile in MODES else compile)
+        named = compile is True or compile == "inductor" or compile in MODES
+        backend = (torch._TorchCompileInductorWrapper(compile if compile in MODES else None, options, None)
+                   if named else compile)
         return torch.compile(gm, backend=order.wrap(backend))
     if options:
         return torch.compile(gm, options=options)
