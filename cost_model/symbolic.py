@@ -377,7 +377,9 @@ def _sum(terms) -> sympy.Expr:
 
 def _max(terms) -> sympy.Expr:
     unique = list(dict.fromkeys(terms))
-    return unique[0] if len(unique) == 1 else sympy.Max(*unique)
+    # unevaluated: sympy's evaluation compares every pair of arguments symbolically, seconds for a
+    # stage's hundreds of excess terms; substituting sizes evaluates the Max all the same
+    return unique[0] if len(unique) == 1 else sympy.Max(*unique, evaluate=False)
 
 
 def _step_time(rec: dict, st: dict, plan, mesh, dev: DeviceSpec, gpus_per_node: int):
