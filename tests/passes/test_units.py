@@ -27,7 +27,7 @@ def llama():
 @pytest.mark.parametrize("pp", [2, 4])
 def test_each_layer_lands_in_the_stage_that_lists_it(llama, pp):
     model, inputs = llama
-    plan = autopar.plan(model, (1, pp, 1), inputs, device="h100")
+    plan = autopar.plan(model, (1, pp, 1), inputs, device="h100", microbatches=pp)
     assert "lm.model" in plan.stages[0].modules   # the outer model's own ops open the pipeline
     cap = capture_pass(model, inputs)
     units = layer_units(cap)
