@@ -35,7 +35,7 @@ from autopar.placement import local_shape
 
 from .compute import node_flops
 from .memo import cached, strategies_of
-from .repeats import back, shifted
+from .repeats import back, block_shift, shifted
 
 aten = torch.ops.aten
 
@@ -256,7 +256,7 @@ def compiled_activation_bytes(nodes, strategies: dict, size: int, recompute=()) 
     return float(sum(compiled_kept(nodes, strategies, size, recompute).values()))
 
 
-def compiled_kept(nodes, strategies: dict, size: int, recompute=()) -> dict:
+def compiled_kept(nodes, strategies: dict, size: int, recompute=(), cap=None) -> dict:
     """{storage key: bytes} kept for backward by ``nodes`` (one microbatch, one rank) when the step is lowered by
     torch.compile: what AOTAutograd's min-cut partitioner (``min_cut_rematerialization_partition``,
     after Inductor's decompositions) saves, against ``activation_bytes``' eager autograd.
@@ -284,13 +284,15 @@ def compiled_kept(nodes, strategies: dict, size: int, recompute=()) -> dict:
     on an H200 (torch 2.11, h=2048, s=2048, bf16). LayerNorm statistics stay 8 bytes a row: the
     CPU decomposition rounds them to the compute dtype, the CUDA one does not.
     ``recompute``: as for ``activation_bytes``. Computed once per question (``cost_model.memo``):
-    callers must not change the dict."""
+    callers must not change the dict. ``cap``, the capture of ``nodes``, lets it read what the
+    ops of its repeated blocks keep a block at a time (``_saves``)."""
     nodes, recompute = tuple(nodes), tuple(tuple(r) for r in recompute)
     if not nodes:
         return {}
     read = _read_nodes(nodes, recompute)
+    shift = block_shift(cap) if cap is not None else None
     return cached(nodes[0].graph, ("compiled_kept", nodes, recompute, size),
-                  lambda: _compiled_kept(nodes, strategies, size, recompute), *strategies_of(strategies, read))
+                  lambda: _compiled_kept(nodes, strategies, size, recompute, shift), *strategies_of(strategies, read))
 
 
 def kept_bytes(cap, nodes, strategies: dict, size: int, recompute=()) -> float:
@@ -301,7 +303,7 @@ def kept_bytes(cap, nodes, strategies: dict, size: int, recompute=()) -> float:
     run = shifted(cap, strategies, nodes, recompute)
     if run is not None:
         nodes, recompute, _ = run
-    return sum(compiled_kept(nodes, strategies, size, recompute).values())
+    return sum(compiled_kept(nodes, strategies, size, recompute, cap).values())
 
 
 def _read_nodes(nodes: tuple, recompute: tuple) -> tuple:
@@ -334,13 +336,38 @@ def _eager_saves(n: Node, strategies: dict, size: int) -> tuple:
     return cached(n.graph, ("eager_saves", n, size), compute, strategies[n], *map(strategies.get, n.all_input_nodes))
 
 
-def _compiled_kept(nodes, strategies: dict, size: int, recompute) -> dict:
+def _saves(nodes: tuple, strategies: dict, size: int, shift) -> list:
+    """Per node of ``nodes``, its ``_eager_saves`` (() for a node that is not an op), those of a whole
+    repeated block (``shift``: ``cost_model.repeats.block_shift``'s layout) asked of the memo at once:
+    a stage of many blocks asks it once per block, not once per op."""
+    out, i, ops = [], 0, shift.ops if shift is not None else 0
+    at = shift.call_at if shift is not None else {}
+    while i < len(nodes):
+        p = at.get(nodes[i])
+        if p is not None and p % ops == 0 and nodes[i:i + ops] == shift.calls[p:p + ops]:
+            out += _block_saves(shift.calls[p:p + ops], strategies, size)
+            i += ops
+            continue
+        out.append(_eager_saves(nodes[i], strategies, size) if nodes[i].op == "call_function" else ())
+        i += 1
+    return out
+
+
+def _block_saves(block: tuple, strategies: dict, size: int) -> list:
+    """``_eager_saves`` of each op of ``block``, once per block, axis size and the strategies it reads."""
+    return cached(block[0].graph, ("block_saves", block, size),
+                  lambda: [_eager_saves(n, strategies, size) for n in block],
+                  *strategies_of(strategies, _read_nodes(block, ())))
+
+
+def _compiled_kept(nodes, strategies: dict, size: int, recompute, shift=None) -> dict:
+    """``compiled_kept`` computed; ``shift`` as ``_saves``."""
     in_region = {n for region in recompute for n in region}
     kept, fused_only, at = {}, {}, {}
-    for n in nodes:
+    for n, saves in zip(nodes, _saves(nodes, strategies, size, shift)):
         if n.op != "call_function" or n in in_region:
             continue
-        for key, nbytes, fused in _eager_saves(n, strategies, size):
+        for key, nbytes, fused in saves:
             kept.setdefault(key, nbytes)
             fused_only[key] = fused_only.get(key, True) and fused
             if key[1] not in ("mask", "stats", "lse"):   # the tensor itself, not a by-product
@@ -656,7 +683,7 @@ def _stage_terms(cap, strategies, mesh, nodes, mine, zero, microbatches, working
     held = microbatches > 1   # gradients accumulate over the step's microbatches
     fqns = stage_fqns(cap, nodes)
     params, grads, opt = param_state(cap, strategies, fqns, mesh.tp, mesh.dp_shard, zero, working_copy, offload, kept)
-    kept = compiled_kept(nodes, strategies, mesh.tp, mine)
+    kept = compiled_kept(nodes, strategies, mesh.tp, mine, cap)
     per_param = {cap.params[f]: b for f, b in param_grad_bytes(cap, strategies, fqns, mesh.tp, mesh.dp_shard, zero,
                                                                working_copy, offload).items()}
     parts = cached(nodes[0].graph, ("excess_parts", nodes, mine, mesh.tp),

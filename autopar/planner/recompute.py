@@ -19,6 +19,7 @@ from autopar.cost_model.strategy import strategy_time
 from autopar.planner.ilp import InfeasibleError, solve_strategies
 from autopar.plans import MemoryPlan
 from autopar.errors import PlanError
+from autopar.passes.capture import graph_cached
 from autopar.passes.units import find_blocks
 from autopar.passes.precision import working_copy_ratio
 
@@ -75,6 +76,14 @@ def block_modes(costs: tuple, mems: tuple, budget: float) -> tuple[int, ...] | N
         return None
 
 
+@graph_cached
+def _block_ops(cap) -> tuple[list[tuple], list[tuple]]:
+    """Per repeated block its ops (what it keeps is theirs) and its attention core, once per capture:
+    every recompute choice asks for them."""
+    blocks = find_blocks(cap) or []
+    return [tuple(n for n in b if n.op == "call_function") for b in blocks], [tuple(attention_core(b)) for b in blocks]
+
+
 def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, microbatches: int = 1,
                      stage_nodes=None, inflight=None, offload: bool = False):
     """Per block the cheapest recompute mode (by recomputed forward time) fitting ``budget`` bytes
@@ -87,13 +96,13 @@ def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, mi
     blocks = find_blocks(cap) or []
     if not blocks:
         raise PlanError("recompute='auto' works per repeated block, and this model has none")
-    ops = [tuple(n for n in b if n.op == "call_function") for b in blocks]   # what a block keeps is its ops'
+    ops, cores = _block_ops(cap)
     figures: dict = {}
 
     def row(k: int) -> tuple[list[float], list[float]]:
         """Block k's bytes kept for backward and recompute seconds per mode, once per run of blocks
         whose figures are the same (``cost_model.repeats``: the blocks of a GPT share them)."""
-        calls, regions = ops[k], (tuple(attention_core(blocks[k])), ops[k])
+        calls, regions = ops[k], (cores[k], ops[k])
         run = shifted(cap, strategies, calls, regions)
         if run is not None:
             calls, regions, _ = run
