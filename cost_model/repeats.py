@@ -25,6 +25,7 @@ from autopar.passes.units import find_blocks
 
 from .memo import strategies_of
 
+
 @dataclass(frozen=True)
 class BlockShift:
     """The repeated blocks of a capture laid out flat: ``nodes`` every block's nodes (its parameters
@@ -54,6 +55,7 @@ def block_shift(cap) -> BlockShift | None:
     where = {n: (k, i) for k, b in enumerate(blocks) for i, n in enumerate(b)}
 
     def shape_of(val):
+        """A traced value as the memory model reads it: shapes and dtypes, or the value itself."""
         if isinstance(val, torch.Tensor):
             return tuple(val.shape), val.dtype
         if isinstance(val, (list, tuple)):
@@ -68,6 +70,7 @@ def block_shift(cap) -> BlockShift | None:
     def form(node: Node, k: int):
         """``node`` with its references to block k and k - 1 written relative to k."""
         def ref(a: Node):
+            """``a`` as block k reads it; LookupError where a shift would not map it."""
             at = where.get(a)
             if at is None:
                 return a
@@ -97,9 +100,9 @@ def block_shift(cap) -> BlockShift | None:
 
 def shifted(cap, strategies: dict, nodes: tuple, regions: tuple = ()):
     """(the ops of the run at block 1, its ``regions`` (tuples of nodes), the offset from a node's
-    position in ``block_shift(cap).calls`` to its twin's in ``nodes``: ``back``) when ``nodes`` (ops in graph order) are the ops of a run of whole blocks from
-    block 2 on whose figures are that run's (the module docstring); None when they are not, or when
-    they are the run at block 1 already."""
+    position in ``block_shift(cap).calls`` to its twin's in ``nodes``, for ``back``) when ``nodes``
+    (ops in graph order) are the ops of a run of whole blocks from block 2 on whose figures are that
+    run's (the module docstring); None when they are not, or when they are the run at block 1."""
     shift = block_shift(cap)
     if shift is None or not nodes:
         return None

@@ -17,6 +17,7 @@ from autopar.planner.recompute import regions_for
 
 @pytest.fixture(scope="module")
 def planned():
+    """A 6-layer GPT-2 planned at tp=2 with sequence parallelism, bf16: its model, batch and plan."""
     model = build("gpt2", device="meta", n_layer=6)
     x = example_inputs(model.config, 4, 256, device="meta")
     plan = autopar.plan(model, (1, 1, 2), x, device="h100", sequence_parallel=True, precision="bf16")
@@ -30,6 +31,7 @@ def _plan_graph(planned):
 
 
 def _named(terms):
+    """``stage_terms``' figures with each excess node by its name, to compare two graphs' answers."""
     params, grads, opt, act, excess = terms
     return params, grads, opt, act, [(n.name, b) for n, b in excess]
 
