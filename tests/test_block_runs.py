@@ -97,17 +97,18 @@ def test_a_run_after_a_block_with_other_strategies_is_not_shifted(planned):
     cap, strategies = _plan_graph(planned)
     units = layer_units(cap)
     blocks = find_blocks(cap)
-    # block 2's output, read by block 3, placed another way: the run of blocks 3..4 reads it
-    last = [n for n in blocks[2] if n.op == "call_function"][-1]
+    # block 3's output, read by block 4, placed another way: the run of blocks 4..5 reads it, and the
+    # run at block 1 reads block 0's, whose strategy is the plan's
+    last = [n for n in blocks[3] if n.op == "call_function"][-1]
     other = dict(strategies)
     other[last] = dataclasses.replace(strategies[last], local="other")
-    nodes = tuple(n for u in units[4:6] for n in u.nodes)
+    nodes = tuple(n for u in units[5:7] for n in u.nodes)
     assert shifted(cap, strategies, nodes) is not None
     assert shifted(cap, other, nodes) is None
     mesh = Mesh(1, 1, 2)
     assert _named(stage_terms(cap, other, mesh, nodes, [], zero=0, microbatches=1, working_copy=0.5)) == \
         _named(_whole(cap, other, mesh, nodes, [], 0, 1))
-    block = tuple(units[4].nodes)
+    block = tuple(units[5].nodes)
     assert kept_bytes(cap, block, other, 2) == sum(_whole(cap, other, mesh, block, [], 0, 1)[3:4])
 
 
