@@ -35,6 +35,7 @@ from autopar.placement import local_shape
 
 from .compute import node_flops
 from .memo import cached, strategies_of
+from .repeats import back, block_shift, shifted
 
 aten = torch.ops.aten
 
@@ -76,6 +77,11 @@ def base_of(node: Node) -> Node:
                                           or node.target is aten.dropout.default and not _drops(node)):
         node = node.args[0]
     return node
+
+
+def looks_through(node: Node) -> bool:
+    """Whether what is kept of ``node`` is priced as what it views or casts (``base_of``, ``_graph_input``)."""
+    return node.op == "call_function" and (base_of(node) is not node or node.target in CASTS)
 
 
 def _drops(node: Node) -> bool:
@@ -250,7 +256,7 @@ def compiled_activation_bytes(nodes, strategies: dict, size: int, recompute=()) 
     return float(sum(compiled_kept(nodes, strategies, size, recompute).values()))
 
 
-def compiled_kept(nodes, strategies: dict, size: int, recompute=()) -> dict:
+def compiled_kept(nodes, strategies: dict, size: int, recompute=(), cap=None) -> dict:
     """{storage key: bytes} kept for backward by ``nodes`` (one microbatch, one rank) when the step is lowered by
     torch.compile: what AOTAutograd's min-cut partitioner (``min_cut_rematerialization_partition``,
     after Inductor's decompositions) saves, against ``activation_bytes``' eager autograd.
@@ -278,13 +284,26 @@ def compiled_kept(nodes, strategies: dict, size: int, recompute=()) -> dict:
     on an H200 (torch 2.11, h=2048, s=2048, bf16). LayerNorm statistics stay 8 bytes a row: the
     CPU decomposition rounds them to the compute dtype, the CUDA one does not.
     ``recompute``: as for ``activation_bytes``. Computed once per question (``cost_model.memo``):
-    callers must not change the dict."""
+    callers must not change the dict. ``cap``, the capture of ``nodes``, lets it read what the
+    ops of its repeated blocks keep a block at a time (``_saves``)."""
     nodes, recompute = tuple(nodes), tuple(tuple(r) for r in recompute)
     if not nodes:
         return {}
     read = _read_nodes(nodes, recompute)
+    shift = block_shift(cap) if cap is not None else None
     return cached(nodes[0].graph, ("compiled_kept", nodes, recompute, size),
-                  lambda: _compiled_kept(nodes, strategies, size, recompute), *strategies_of(strategies, read))
+                  lambda: _compiled_kept(nodes, strategies, size, recompute, shift), *strategies_of(strategies, read))
+
+
+def kept_bytes(cap, nodes, strategies: dict, size: int, recompute=()) -> float:
+    """The sum of ``compiled_kept``, for a run of repeated blocks the run's at block 1 where their
+    figures are the same (``cost_model.repeats``): the unit costs and the recompute choice ask it
+    of every block."""
+    nodes, recompute = tuple(nodes), tuple(tuple(r) for r in recompute)
+    run = shifted(cap, strategies, nodes, recompute)
+    if run is not None:
+        nodes, recompute, _ = run
+    return sum(compiled_kept(nodes, strategies, size, recompute, cap).values())
 
 
 def _read_nodes(nodes: tuple, recompute: tuple) -> tuple:
@@ -317,13 +336,38 @@ def _eager_saves(n: Node, strategies: dict, size: int) -> tuple:
     return cached(n.graph, ("eager_saves", n, size), compute, strategies[n], *map(strategies.get, n.all_input_nodes))
 
 
-def _compiled_kept(nodes, strategies: dict, size: int, recompute) -> dict:
+def _saves(nodes: tuple, strategies: dict, size: int, shift) -> list:
+    """Per node of ``nodes``, its ``_eager_saves`` (() for a node that is not an op), those of a whole
+    repeated block (``shift``: ``cost_model.repeats.block_shift``'s layout) asked of the memo at once:
+    a stage of many blocks asks it once per block, not once per op."""
+    out, i, ops = [], 0, shift.ops if shift is not None else 0
+    at = shift.call_at if shift is not None else {}
+    while i < len(nodes):
+        p = at.get(nodes[i])
+        if p is not None and p % ops == 0 and nodes[i:i + ops] == shift.calls[p:p + ops]:
+            out += _block_saves(shift.calls[p:p + ops], strategies, size)
+            i += ops
+            continue
+        out.append(_eager_saves(nodes[i], strategies, size) if nodes[i].op == "call_function" else ())
+        i += 1
+    return out
+
+
+def _block_saves(block: tuple, strategies: dict, size: int) -> list:
+    """``_eager_saves`` of each op of ``block``, once per block, axis size and the strategies it reads."""
+    return cached(block[0].graph, ("block_saves", block, size),
+                  lambda: [_eager_saves(n, strategies, size) for n in block],
+                  *strategies_of(strategies, _read_nodes(block, ())))
+
+
+def _compiled_kept(nodes, strategies: dict, size: int, recompute, shift=None) -> dict:
+    """``compiled_kept`` computed; ``shift`` as ``_saves``."""
     in_region = {n for region in recompute for n in region}
     kept, fused_only, at = {}, {}, {}
-    for n in nodes:
+    for n, saves in zip(nodes, _saves(nodes, strategies, size, shift)):
         if n.op != "call_function" or n in in_region:
             continue
-        for key, nbytes, fused in _eager_saves(n, strategies, size):
+        for key, nbytes, fused in saves:
             kept.setdefault(key, nbytes)
             fused_only[key] = fused_only.get(key, True) and fused
             if key[1] not in ("mask", "stats", "lse"):   # the tensor itself, not a by-product
@@ -382,6 +426,17 @@ def backward_excess(nodes, kept: dict, strategies: dict, size: int, grads: dict,
     output's gradient and the input it kept, stay alive from its own backward to the first
     user's, and the summed gradient arrives there (seen in the compiled backward on CPU and on an
     H200: a tied head keeps the logits' gradient through the whole backward)."""
+    return excess_with_grads(excess_parts(nodes, kept, strategies, size, tuple(grads), whole_weights), grads,
+                             grads_held)
+
+
+def excess_parts(nodes, kept: dict, strategies: dict, size: int, params: tuple, whole_weights: bool = True) -> tuple:
+    """What ``backward_excess`` reads of ``nodes`` apart from the parameter gradients' bytes (``params``:
+    the parameter nodes it is given gradients of): per op that allocates in its backward, its
+    position, alive(t), held(t), its transient and the 16-bit weight gradients it writes (its
+    parameters, its dtype's size); where each parameter's gradient arrives; and sum(kept). The ZeRO
+    stages, microbatch counts and offload choices of one stage differ only in those bytes, so
+    ``excess_with_grads`` prices each of them from one set of parts."""
     index = {n: i for i, n in enumerate(nodes)}
     total = sum(kept.values())
     before = [0.0] * (len(nodes) + 1)   # before[t]: kept bytes produced before op t (graph inputs: -1)
@@ -391,15 +446,14 @@ def backward_excess(nodes, kept: dict, strategies: dict, size: int, grads: dict,
         if k[1] in ("mask", "stats", "lse"):
             own[k[0]] = own.get(k[0], 0.0) + b
     before = list(accumulate(before))
-    after = [0.0] * (len(nodes) + 1)    # after[t]: gradients that exist once op t's backward has run
+    arrivals = []                       # (op position, parameter): its gradient exists once that op's backward has run
     held = [0.0] * len(nodes)           # held[t]: deferred weight-gradient operands alive at op t
-    for p, b in grads.items():
+    for p in params:
         users = sorted({index[u] for u in p.users if u in index})
         if not users:
             continue
         summed = whole_weights and len(users) > 1
-        if not grads_held:
-            after[users[0] if summed else users[-1]] += b
+        arrivals.append((users[0] if summed else users[-1], p))
         for u in users[1:] if summed else ():
             user = nodes[u]
             if node_flops(user) == (0.0, 0.0):
@@ -409,18 +463,33 @@ def backward_excess(nodes, kept: dict, strategies: dict, size: int, grads: dict,
             inputs = [(index.get(k[0], -1), kept[k]) for k, _ in saved_tensors(user, strategies, size) if k in kept]
             for t in range(users[0] + 1, u):
                 held[t] += grad_out + sum(nbytes for at, nbytes in inputs if at >= t)
-    after = list(accumulate(after[::-1]))[::-1]
-    out = []
+    ops = []
+    mine = set(params)
     for n in nodes:
         t = index[n]
         if n.op != "call_function" or node_flops(n) == (0.0, 0.0):
             continue
-        alive, arrived = before[t] + own.get(n, 0.0), after[t]
         dtype = getattr(n.meta.get("val"), "dtype", None)
         # a 16-bit weight gradient is a buffer of its own until it is cast into the fp32 gradient
-        weights = (sum(grads[a] * dtype.itemsize / 4 for a in n.all_input_nodes if a in grads)
-                   if dtype is not None and dtype.itemsize < 4 else 0.0)
-        out.append((n, alive + arrived + held[t] + backward_transient(n, strategies, size) + weights - total))
+        weights = (tuple(a for a in n.all_input_nodes if a in mine), dtype.itemsize) \
+            if dtype is not None and dtype.itemsize < 4 else None
+        ops.append((n, t, before[t] + own.get(n, 0.0), held[t], backward_transient(n, strategies, size), weights))
+    return ops, arrivals, total, len(nodes)
+
+
+def excess_with_grads(parts: tuple, grads: dict, grads_held: bool) -> list:
+    """``backward_excess`` from its ``excess_parts`` and the gradients' bytes (``grads``: parameter node ->
+    bytes, for the parameters the parts were made with; ``grads_held`` as there)."""
+    ops, arrivals, total, length = parts
+    after = [0.0] * (length + 1)        # after[t]: gradients that exist once op t's backward has run
+    if not grads_held:
+        for t, p in arrivals:
+            after[t] += grads[p]
+    after = list(accumulate(after[::-1]))[::-1]
+    out = []
+    for n, t, alive, held, transient, weights in ops:
+        spent = sum(grads[a] * weights[1] / 4 for a in weights[0]) if weights is not None else 0.0
+        out.append((n, alive + after[t] + held + transient + spent - total))
     return out
 
 
@@ -581,25 +650,43 @@ def stage_terms(cap, strategies, mesh, nodes, regions, *, zero: int, microbatche
     """(params, gradients held through the forward, optimizer, one microbatch's activations,
     [(node, backward excess)]) of one stage's ``nodes`` with ``regions`` recomputed: the terms
     of its peak (``autopar.planner.recompute.memory_breakdown``); ``offload`` and ``kept`` (ZeRO-3's
-    units kept gathered) as ``param_state``. Computed once per question (``cost_model.memo``)."""
+    units kept gathered) as ``param_state``. Computed once per question (``cost_model.memo``), and
+    for a run of repeated blocks as the same run at block 1 where its figures are that run's
+    (``cost_model.repeats``; not with units kept gathered, which are named)."""
     nodes = tuple(nodes)
     members = set(nodes)
     mine = tuple(tuple(r) for r in regions if r and r[0] in members)
     if not nodes:
         return _stage_terms(cap, strategies, mesh, nodes, mine, zero, microbatches, working_copy, offload, kept)
+    run = None if kept else shifted(cap, strategies, nodes, mine)
+    if run is None:
+        return _stage_terms_once(cap, strategies, mesh, nodes, mine, zero, microbatches, working_copy, offload, kept)
+    canon, moved, offset = run
+    params, grads, opt, act, excess = _stage_terms_once(cap, strategies, mesh, canon, moved, zero, microbatches,
+                                                        working_copy, offload, kept)
+    return params, grads, opt, act, back(cap, excess, offset)
+
+
+def _stage_terms_once(cap, strategies, mesh, nodes, mine, zero, microbatches, working_copy, offload, kept):
+    """``_stage_terms``, once per question (``cost_model.memo``)."""
+    read = strategies_of(strategies, _read_nodes(nodes, mine))
     key = ("stage_terms", nodes, mine, mesh.tp, mesh.dp_shard, zero, microbatches, working_copy, offload,
            frozenset(kept))
     return cached(nodes[0].graph, key, lambda: _stage_terms(cap, strategies, mesh, nodes, mine, zero, microbatches,
-                                                            working_copy, offload, kept),
-                  *strategies_of(strategies, _read_nodes(nodes, mine)))
+                                                            working_copy, offload, kept, read), *read)
 
 
-def _stage_terms(cap, strategies, mesh, nodes, mine, zero, microbatches, working_copy, offload, kept):
+def _stage_terms(cap, strategies, mesh, nodes, mine, zero, microbatches, working_copy, offload, kept, read):
+    """``stage_terms`` computed; ``read``: the strategies its figures read, those of ``_read_nodes``. What
+    the backward keeps and its excess but the gradients' bytes are the same for every ZeRO stage,
+    microbatch count and offload choice: kept once per stage, regions and strategies."""
     held = microbatches > 1   # gradients accumulate over the step's microbatches
     fqns = stage_fqns(cap, nodes)
     params, grads, opt = param_state(cap, strategies, fqns, mesh.tp, mesh.dp_shard, zero, working_copy, offload, kept)
-    kept = compiled_kept(nodes, strategies, mesh.tp, mine)
+    kept = compiled_kept(nodes, strategies, mesh.tp, mine, cap)
     per_param = {cap.params[f]: b for f, b in param_grad_bytes(cap, strategies, fqns, mesh.tp, mesh.dp_shard, zero,
                                                                working_copy, offload).items()}
-    excess = backward_excess(nodes, kept, strategies, mesh.tp, per_param, held)
+    parts = cached(nodes[0].graph, ("excess_parts", nodes, mine, mesh.tp),
+                   lambda: excess_parts(nodes, kept, strategies, mesh.tp, tuple(per_param)), *read)
+    excess = excess_with_grads(parts, per_param, held)
     return params, grads if held else 0.0, opt, sum(kept.values()), excess

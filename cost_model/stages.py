@@ -19,7 +19,7 @@ from autopar.placement import Shard, local_shape
 
 from .comm import axis_is_inter_node, collective_time
 from .memo import cached, strategies_of
-from .memory import compiled_kept
+from .memory import kept_bytes
 from .strategy import OP_OVERHEAD, strategy_time, tensor_bytes, tp_collectives
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
@@ -186,7 +186,7 @@ def _unit_costs(cap, strategies, units, unit_of, tp: int, dev, tp_inter: bool, p
     act = np.zeros(len(units))
     for k, u in enumerate(units):
         members = set(u.nodes)
-        act[k] = sum(compiled_kept(u.nodes, strategies, tp, [r for r in regions if r and r[0] in members]).values())
+        act[k] = kept_bytes(cap, u.nodes, strategies, tp, [r for r in regions if r and r[0] in members])
     # a value crosses the cuts after its own unit up to the last unit that reads it
     sent = np.zeros(len(units) + 1)
     for a, k in unit_of.items():

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import functools
 
-from autopar.cost_model.memory import attention_core, compiled_kept, host_state, stage_terms
+from autopar.cost_model.memory import attention_core, host_state, kept_bytes, stage_terms
+from autopar.cost_model.repeats import shifted
 from autopar.cost_model.strategy import strategy_time
 from autopar.planner.ilp import InfeasibleError, solve_strategies
 from autopar.plans import MemoryPlan
 from autopar.errors import PlanError
+from autopar.passes.capture import graph_cached
 from autopar.passes.units import find_blocks
 from autopar.passes.precision import working_copy_ratio
 
@@ -61,11 +63,25 @@ def block_modes(costs: tuple, mems: tuple, budget: float) -> tuple[int, ...] | N
     subject to sum_k mems[k][x_k] <= budget (the strategy ILP of ``autopar.planner.ilp`` with
     no edges); None when no choice fits. A pure function of its inputs, kept per inputs: the
     stages of one length in the middle of a pipeline, and the same stage on the meshes and ZeRO
-    stages that share its figures, ask the same question."""
+    stages that share its figures, ask the same question.
+
+    Where recomputing nothing fits and costs strictly less than any recompute in every block, that
+    is the one optimum, which the ILP returns: it is answered without the solver (the stages
+    that fit as they are, beside one that does not, ask it)."""
+    if sum(m[0] for m in mems) <= budget and all(c[0] < min(c[1:]) for c in costs):
+        return (0,) * len(costs)
     try:
         return tuple(solve_strategies(list(costs), [], node_memory=list(mems), memory_budget=budget).choice)
     except InfeasibleError:
         return None
+
+
+@graph_cached
+def _block_ops(cap) -> tuple[list[tuple], list[tuple]]:
+    """Per repeated block its ops (what it keeps is theirs) and its attention core, once per capture:
+    every recompute choice asks for them."""
+    blocks = find_blocks(cap) or []
+    return [tuple(n for n in b if n.op == "call_function") for b in blocks], [tuple(attention_core(b)) for b in blocks]
 
 
 def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, microbatches: int = 1,
@@ -80,8 +96,23 @@ def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, mi
     blocks = find_blocks(cap) or []
     if not blocks:
         raise PlanError("recompute='auto' works per repeated block, and this model has none")
-    def kept(nodes, regions) -> float:
-        return sum(compiled_kept(nodes, strategies, mesh.tp, regions).values())
+    ops, cores = _block_ops(cap)
+    figures: dict = {}
+
+    def row(k: int) -> tuple[list[float], list[float]]:
+        """Block k's bytes kept for backward and recompute seconds per mode, once per run of blocks
+        whose figures are the same (``cost_model.repeats``: the blocks of a GPT share them)."""
+        calls, regions = ops[k], (cores[k], ops[k])
+        run = shifted(cap, strategies, calls, regions)
+        if run is not None:
+            calls, regions, _ = run
+        if calls not in figures:
+            options = {"none": [], "selective": [regions[0]], "full": [regions[1]]}
+            # recomputing runs the region's forward again: about a third of its forward + backward
+            figures[calls] = ([kept_bytes(cap, calls, strategies, mesh.tp, options[m]) for m in MODES],
+                           [sum(strategy_time(n, strategies[n], mesh.tp, dev, False) for r in options[m] for n in r) / 3
+                            for m in MODES])
+        return figures[calls]
 
     stage_nodes = stage_nodes or [[n for n in cap.gm.graph.nodes if n.op == "call_function"]]
     inflight = inflight or [1] * len(stage_nodes)
@@ -96,19 +127,13 @@ def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, mi
     chosen = {}
     for s, (nodes, base) in enumerate(zip(stage_nodes, bases)):
         members = set(nodes)
-        mine = [k for k, b in enumerate(blocks) if any(n in members for n in b)]
+        mine = [k for k, b in enumerate(blocks) if not members.isdisjoint(b)]
         f = inflight[s]
-        full_act = sum(kept(blocks[k], [[n for n in blocks[k] if n.op == "call_function"]]) for k in mine)
+        rows = [row(k) for k in mine]
+        full_act = sum(kept[2] for kept, _ in rows)
         fixed = base.peak - f * full_act            # everything but the blocks' own activations
-        costs, mems = [], []
-        for k in mine:
-            b = blocks[k]
-            calls = [n for n in b if n.op == "call_function"]
-            options = {"none": [], "selective": [attention_core(b)], "full": [calls]}
-            mems.append([f * kept(b, options[m]) for m in MODES])
-            # recomputing runs the region's forward again: about a third of its forward + backward
-            costs.append([sum(strategy_time(n, strategies[n], mesh.tp, dev, False) for r in options[m] for n in r) / 3
-                          for m in MODES])
+        mems = [[f * b for b in kept] for kept, _ in rows]
+        costs = [seconds for _, seconds in rows]
 
         if not mine:   # no block to recompute here: the stage fits as it is or not at all
             continue
@@ -119,7 +144,6 @@ def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, mi
             chosen.update({k: MODES[i] for k, i in zip(mine, choice)})
     modes = [chosen[k] for k in range(len(blocks))]
     regions = []
-    for b, mode in zip(blocks, modes):
-        calls = [n for n in b if n.op == "call_function"]
-        regions += {"none": [], "selective": [attention_core(b)], "full": [calls]}[mode]
+    for b, calls, mode in zip(blocks, ops, modes):
+        regions += {"none": [], "selective": [attention_core(b)], "full": [list(calls)]}[mode]
     return regions, modes

@@ -78,8 +78,12 @@ def check_tp(cap: Captured, tp: int) -> None:
 
 @graph_cached
 def enumerate_strategies(cap: Captured, tp: int, sequence_parallel) -> dict[Node, list[Strategy]]:
-    """Candidate strategies per node, with the sequence-parallel choice applied."""
+    """Candidate strategies per node, with the sequence-parallel choice applied. Equal strategies are
+    one object: the prices kept per strategy object (``cost_model.memo``) are then shared by the
+    twin ops of repeated blocks, and a run of blocks is recognised as another by the identity of its
+    strategies (``cost_model.repeats``)."""
     g = cap.gm.graph
+    shared: dict[Strategy, Strategy] = {}
     chunks = {len(n.meta["val"]) for n in g.nodes if n.target in (aten.split.Tensor, aten.chunk.default)
               and len({tuple(v.shape) for v in n.meta["val"]}) == 1}
     labels = dim_labels(cap.gm, cap.inputs)
@@ -91,8 +95,7 @@ def enumerate_strategies(cap: Captured, tp: int, sequence_parallel) -> dict[Node
     options: dict[Node, list[Strategy]] = {}
     for node in g.nodes:
         if node.op == "call_function" and tp == 1:
-            opts = [Strategy(tuple(R for _ in node.all_input_nodes), R)]
-            options[node] = opts
+            options[node] = [Strategy(tuple(R for _ in node.all_input_nodes), R)]
         elif node.op == "call_function":
             opts = strategies_for(node, ctx)
             if sequence_parallel is False:
@@ -109,7 +112,7 @@ def enumerate_strategies(cap: Captured, tp: int, sequence_parallel) -> dict[Node
             for s in options.get(user, []):
                 wanted.update(p for p, i in zip(s.inputs, user.all_input_nodes) if i is node)
         options[node] = [Strategy((), p) for p in sorted(wanted, key=str)]
-    return options
+    return {n: [shared.setdefault(s, s) for s in opts] for n, opts in options.items()}
 
 
 def solve(cap: Captured, options: dict[Node, list[Strategy]], tp: int, dev, *,
@@ -376,8 +379,9 @@ def with_regather(strategies: dict[Node, Strategy]) -> dict[Node, Strategy]:
     """The strategies with every eligible sequence-parallel linear re-gathering its input in
     backward: (t-1)/t of those inputs' activation memory traded for one all-gather each. A node's
     re-gathering strategy is made once per strategy it replaces (``cost_model.memo``), so plans that
-    re-gather the same way share the prices computed for its objects."""
-    return {n: cached(n.graph, ("regather", n), lambda s=s: dataclasses.replace(s, regather=True), s)
+    re-gather the same way share the prices computed for its objects, and so do the twin ops of
+    repeated blocks, which share their strategies (``enumerate_strategies``)."""
+    return {n: cached(n.graph, ("regather",), lambda s=s: dataclasses.replace(s, regather=True), s)
             if regather_candidate(n, strategies) else s for n, s in strategies.items()}
 
 
