@@ -15,11 +15,42 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 
 def pytest_collection_modifyitems(items):
-    """The modules that read pooled jobs run last, so the background pool has their worlds ready."""
+    """The modules that register pooled jobs run last, so the background pool has their worlds ready;
+    in them, the tests that read no pooled result first, then the readers, those waiting on the
+    lighter worlds first (``pool.wait_order``)."""
     import pool
 
     late = pool.modules()
-    items.sort(key=lambda item: getattr(getattr(item, "module", None), "__name__", "") in late)
+
+    def key(item):
+        name = getattr(getattr(item, "module", None), "__name__", "")
+        if name not in late:
+            return (0, 0.0)
+        return (2, pool.wait_order(name)) if _reads_pool(item) else (1, 0.0)
+    items.sort(key=key)
+
+
+def _reads_pool(item) -> bool:
+    """Whether a test reads a pooled result: its code, a fixture it uses or a function of its module
+    that it calls calls ``.result()`` (read from the source; a wrong guess costs time, not a result)."""
+    import inspect
+
+    def source(fn) -> str:
+        try:
+            return inspect.getsource(fn)
+        except (OSError, TypeError):
+            return ""
+
+    def reads(fn, depth: int = 2) -> bool:
+        text = source(fn)
+        if ".result()" in text:
+            return True
+        module = inspect.getmodule(fn)
+        return depth > 0 and any(inspect.isfunction(f) and f is not fn and f"{n}(" in text and reads(f, depth - 1)
+                                 for n, f in vars(module).items()) if module else False
+
+    fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+    return any(reads(fn) for fn in [getattr(item, "function", None), *fixtures] if fn is not None)
 
 
 def pytest_collection_finish(session):

@@ -105,13 +105,26 @@ def modules() -> set[str]:
     return {j.module for jobs in _JOBS.values() for j in jobs}
 
 
+def _weight(world: int) -> float:
+    """How long a world's spawn may run: the sum of its jobs' timeouts (the pool's order, largest first)."""
+    return sum(j.timeout for j in _JOBS[world])
+
+
+def wait_order(module: str) -> float:
+    """Where a test module goes among those that read pooled results: by the heaviest world it waits
+    for, lightest first. The pool starts the heaviest world first and hands a world's results back
+    only when its whole spawn ends, so a module waiting on it early would hold up every test after
+    it, while the lighter worlds run on a second thread and return in minutes."""
+    return max((_weight(w) for w, jobs in _JOBS.items() if any(j.module == module for j in jobs)), default=0.0)
+
+
 def start() -> None:
     """Runs every world registered so far in a background thread, largest total job timeout first."""
     _ENV.update(os.environ)
     _T0.append(time.perf_counter())
     preload_in_forkserver(["pool", "parity", *sorted(modules())])
     with _LOCK:
-        _PENDING[:] = sorted(_JOBS, key=lambda w: -sum(j.timeout for j in _JOBS[w]))
+        _PENDING[:] = sorted(_JOBS, key=lambda w: -_weight(w))
         for world in _PENDING:
             _DONE[world] = threading.Event()
     thread = threading.Thread(target=_run_quietly, name="autopar-test-pool", daemon=True)
