@@ -46,8 +46,8 @@ def _reads_pool(item) -> bool:
         if ".result()" in text:
             return True
         module = inspect.getmodule(fn)
-        return depth > 0 and any(inspect.isfunction(f) and f is not fn and f"{n}(" in text and reads(f, depth - 1)
-                                 for n, f in vars(module).items()) if module else False
+        called = [inspect.unwrap(f) for n, f in vars(module).items() if callable(f) and f"{n}(" in text] if module else []
+        return depth > 0 and any(inspect.isfunction(f) and f is not fn and reads(f, depth - 1) for f in called)
 
     fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
     return any(reads(fn) for fn in [getattr(item, "function", None), *fixtures] if fn is not None)
