@@ -107,7 +107,7 @@ def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, mi
         if run is not None:
             calls, regions, _ = run
         if calls not in figures:
-            options = {"none": [], "selective": [regions[0]], "full": [regions[1]]}
+            options = _mode_regions(*regions)
             # recomputing runs the region's forward again: about a third of its forward + backward
             figures[calls] = ([kept_bytes(cap, calls, strategies, mesh.tp, options[m]) for m in MODES],
                            [sum(strategy_time(n, strategies[n], mesh.tp, dev, False) for r in options[m] for n in r) / 3
@@ -144,6 +144,11 @@ def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, mi
             chosen.update({k: MODES[i] for k, i in zip(mine, choice)})
     modes = [chosen[k] for k in range(len(blocks))]
     regions = []
-    for b, calls, mode in zip(blocks, ops, modes):
-        regions += {"none": [], "selective": [attention_core(b)], "full": [list(calls)]}[mode]
+    for core, calls, mode in zip(cores, ops, modes):
+        regions += [list(r) for r in _mode_regions(core, calls)[mode]]
     return regions, modes
+
+
+def _mode_regions(core, calls) -> dict:
+    """A block's recomputed regions per mode, from its attention core and its ops."""
+    return {"none": [], "selective": [core], "full": [calls]}
