@@ -3,6 +3,8 @@ the shared helpers (parity, pool) however pytest is started; runs the pooled ran
 background while the tests that need no ranks run (``pool.start``)."""
 import os
 
+import pytest
+
 # The pooled ranks keep the cores busy while this process runs its own tests: one intra-op thread
 # here (and in the subprocesses tests start) rather than threads that contend with the ranks for
 # the same cores. Ranks that autopar.launch.spawn starts get their own share (its OMP_NUM_THREADS).
@@ -12,12 +14,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # is cold. The tests that run Inductor read its generated wrapper, its buffers and its cache, which
 # do not depend on the kernels' instruction set.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+# Inductor compiles its kernels in this process, not in a pool of worker processes that each
+# import torch (seconds of CPU per compiling process) to share two cores the ranks already fill.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def pytest_collection_modifyitems(items):
     """The modules that register pooled jobs run last, so the background pool has their worlds ready;
-    in them, the tests that read no pooled result first, then the readers, those waiting on the
-    lighter worlds first (``pool.wait_order``)."""
+    in them, the tests that read no pooled result first, then the readers, in the order the spawns
+    they read end (``pool.wait_order``)."""
     import pool
 
     late = pool.modules()
@@ -25,8 +30,8 @@ def pytest_collection_modifyitems(items):
     def key(item):
         name = getattr(getattr(item, "module", None), "__name__", "")
         if name not in late:
-            return (0, 0.0)
-        return (2, pool.wait_order(name)) if _reads_pool(item) else (1, 0.0)
+            return (0, 0)
+        return (2, pool.wait_order(name)) if _reads_pool(item) else (1, 0)
     items.sort(key=key)
 
 
@@ -53,6 +58,16 @@ def _reads_pool(item) -> bool:
     return any(reads(fn) for fn in [getattr(item, "function", None), *fixtures] if fn is not None)
 
 
+_CPU: dict[str, float] = {}   # test id -> CPU seconds of this process and its reaped children
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = sum(os.times()[:4])
+    yield
+    _CPU[item.nodeid] = sum(os.times()[:4]) - before
+
+
 def pytest_collection_finish(session):
     import pool
 
@@ -67,10 +82,19 @@ def pytest_unconfigure(config):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The pooled rank jobs' own times (pytest's durations charge a job to whichever test first waits for its
-    pool): the 20 slowest, or as many as AUTOPAR_POOL_ROWS says, with the frames each compiled."""
+    """The CPU seconds of this process's costliest tests, as many as AUTOPAR_CPU_ROWS says (none by
+    default), and the pooled rank jobs' own times (pytest's durations charge a job to whichever test
+    first waits for its pool): the 20 slowest, or as many as AUTOPAR_POOL_ROWS says, with the frames
+    each compiled."""
     import pool
 
+    if _CPU:
+        top = sorted(_CPU.items(), key=lambda kv: -kv[1])[:int(os.environ.get("AUTOPAR_CPU_ROWS", "0"))]
+        if top:
+            terminalreporter.write_line(f"this process's CPU seconds (its subprocesses' included): {sum(_CPU.values()):.0f} "
+                                        f"over {len(_CPU)} tests; the costliest:")
+        for nodeid, used in top:
+            terminalreporter.write_line(f"  {used:7.1f}  {nodeid}")
     rows = pool.timings()
     if rows:
         totals, cpu = {}, {}

@@ -1,21 +1,24 @@
-"""One spawn per world size for the whole pytest session.
+"""One spawn per world size (and lane) for the whole pytest session.
 
 A test module registers its rank work at import time, ``JOB = pool.job(world, fn, *args)``; the
-first test that asks any job of a world size for its result (``JOB.result()``) spawns that world
-once and runs there every job registered for it so far, in registration order, in the same ranks.
-Process start-up and the first collective of each process are then paid once per world size
-instead of once per module. The ranks are forked from multiprocessing's fork server
+pool spawns that world once and runs there every job registered for it, in registration order, in
+the same ranks; a test reads a job's return values with ``JOB.result()``. Process start-up and the
+first collective of each process are then paid once per world size instead of once per module. The ranks are forked from multiprocessing's fork server
 (``spawn(..., start_method="forkserver")``), which imports torch, autopar and the test modules that
 registered jobs once for the session: a rank starts in a fraction of a second instead of the
 seconds its imports took.
 
-Once collection is over, ``start()`` (called by conftest) runs every registered world in a
-background thread, one world after another, while the main process goes on with the tests that
-need no ranks (conftest puts the modules that read pooled jobs last): on a 2-core machine the
-main process keeps one core busy and the ranks the other. A test that asks for a world the
-thread has not reached yet moves it to the front of the thread's queue and waits for it; while a
-test waits, a second thread runs the worlds still pending beside the first (the waiting process
-leaves its core to them), so the pool runs at most two spawns at once.
+A world's jobs may be split into lanes (``lane=``), each lane a spawn of its own: the jobs that
+compile through Inductor take the lane "inductor". Their ranks take turns (``compile_once``: one
+compiles, its peers wait to load the cache), so a spawn of them alone keeps about one core busy;
+beside the world's other jobs, in a second spawn, the two use both cores.
+
+Once collection is over, ``start()`` (called by conftest) runs every registered spawn in three
+background threads, the named lanes first, then the heaviest worlds, while the main process goes
+on with the tests that need no ranks (conftest puts the modules that read pooled jobs last, in the
+order the spawns they read end). The ranks run at a lower priority (``NICE``) than the main
+process. A test that asks for a spawn the threads have not reached yet moves it to the front of
+their queue and waits for it.
 Each rank restores the environment the session had when ``start()`` ran, so a test that sets a
 variable (monkeypatch) while a world starts does not leak it into the ranks.
 
@@ -38,18 +41,25 @@ import traceback
 
 from autopar.launch import preload_in_forkserver, spawn
 
-_JOBS: dict[int, list["Job"]] = {}
-_RESULTS: dict[int, list] = {}
-_FAILED: dict[int, str] = {}
+# A spawn's key: (world size, lane); the lane "" holds the jobs registered without one.
+_JOBS: dict[tuple[int, str], list["Job"]] = {}
+_RESULTS: dict[tuple[int, str], list] = {}
+_FAILED: dict[tuple[int, str], str] = {}
 _WORKDIR: list[str] = []
-_LOCKS: dict[int, threading.Lock] = {}
-_LOCK = threading.Lock()   # guards _LOCKS and _WORKDIR
+_LOCKS: dict[tuple[int, str], threading.Lock] = {}
+_LOCK = threading.Lock()   # guards _LOCKS, _WORKDIR and _PENDING
 _ENV: dict[str, str] = {}   # the environment ranks run with, taken by start()
 _BACKGROUND: list[threading.Thread] = []
-_PENDING: list[int] = []   # the worlds the background thread has yet to run, next first (guarded by _LOCK)
-_DONE: dict[int, threading.Event] = {}   # set once the background thread has run a world
-# (world, start, end, CPU seconds of its ranks (their children's included), of their start-up) of each spawn
-_SPANS: list[tuple[int, float, float, float, float]] = []
+# Spawns at once, for two cores: a spawn often keeps one core busy at most (its ranks take turns to
+# compile; a world of one rank).
+_THREADS = 3
+# The ranks yield the core to this process's own tests: those run one after another, so a core they
+# wait for is lost at the end of the session, while the ranks of the spawns fill whatever is left.
+NICE = 10
+_PENDING: list[tuple[int, str]] = []   # the spawns the background threads have yet to run, next first
+_DONE: dict[tuple[int, str], threading.Event] = {}   # set once a background thread has run a spawn
+# (key, start, end, CPU seconds of its ranks (their children's included), of their start-up) of each spawn
+_SPANS: list[tuple[tuple[int, str], float, float, float, float]] = []
 _WAITED: list[float] = [0.0]   # seconds the tests spent blocked on pooled results
 _T0: list[float] = []   # when start() ran
 
@@ -59,17 +69,18 @@ class JobError(AssertionError):
 
 
 class Job:
-    def __init__(self, world: int, fn, args: tuple, timeout: float, workdir: bool, lazy, module: str):
+    def __init__(self, world: int, fn, args: tuple, timeout: float, workdir: bool, lazy, module: str, lane: str):
         self.world, self.fn, self.args, self.timeout, self.workdir, self.lazy = world, fn, args, timeout, workdir, lazy
+        self.key = (world, lane)
         self.module = module   # the test module that registered the job
         self.path = None   # the workdir, once the pool has started
-        self.index = len(_JOBS.setdefault(world, []))
-        _JOBS[world].append(self)
+        self.index = len(_JOBS.setdefault(self.key, []))
+        _JOBS[self.key].append(self)
 
     def result(self) -> list:
         """fn's return values, indexed by rank."""
         waiting = time.perf_counter()
-        per_rank = _run(self.world)
+        per_rank = _run(self.key)
         _WAITED[0] += time.perf_counter() - waiting
         outcomes = [r[self.index] for r in per_rank]
         errors = [f"rank {rank}:\n{value}" for rank, (ok, value, *_) in enumerate(outcomes) if not ok]
@@ -78,12 +89,12 @@ class Job:
         return [value for _, value, *_ in outcomes]
 
 
-def job(world: int, fn, *args, timeout: float = 600.0, workdir: bool = False, lazy=None) -> Job:
+def job(world: int, fn, *args, timeout: float = 600.0, workdir: bool = False, lazy=None, lane: str = "") -> Job:
     """Registers ``fn(rank, world, *args)`` (or, with ``workdir``, ``fn(rank, world, path, *args)``
-    with a fresh directory every rank of this job shares) to run in the pool of ``world`` ranks.
-    ``lazy``, a callable, gives more arguments when the pool starts: the ranks import the test
-    modules again, so a module's import should not compute them."""
-    return Job(world, fn, args, timeout, workdir, lazy, sys._getframe(1).f_globals.get("__name__", ""))
+    with a fresh directory every rank of this job shares) to run in the pool of ``world`` ranks, in
+    the spawn of its ``lane``. ``lazy``, a callable, gives more arguments when the pool starts: the
+    ranks import the test modules again, so a module's import should not compute them."""
+    return Job(world, fn, args, timeout, workdir, lazy, sys._getframe(1).f_globals.get("__name__", ""), lane)
 
 
 def per_world(fn, cases: list, *, timeout: float) -> tuple[dict[int, list], dict[int, "Job"]]:
@@ -93,7 +104,7 @@ def per_world(fn, cases: list, *, timeout: float) -> tuple[dict[int, list], dict
     for case in cases:
         by_world.setdefault(case[0][0] * case[0][1] * case[0][2], []).append(case)
     module = sys._getframe(1).f_globals.get("__name__", "")
-    return by_world, {w: Job(w, _each_case, (fn, todo), timeout, False, None, module) for w, todo in by_world.items()}
+    return by_world, {w: Job(w, _each_case, (fn, todo), timeout, False, None, module, "") for w, todo in by_world.items()}
 
 
 def _each_case(rank, world, fn, cases):
@@ -105,31 +116,39 @@ def modules() -> set[str]:
     return {j.module for jobs in _JOBS.values() for j in jobs}
 
 
-def _weight(world: int) -> float:
-    """How long a world's spawn may run: the sum of its jobs' timeouts (the pool's order, largest first)."""
-    return sum(j.timeout for j in _JOBS[world])
+def _weight(key: tuple[int, str]) -> float:
+    """How long a spawn may run: the sum of its jobs' timeouts."""
+    return sum(j.timeout for j in _JOBS[key])
+
+
+def _order(key: tuple[int, str]) -> tuple:
+    """The pool's order: the named lanes first (their ranks take turns, so they run longest for
+    their CPU), then the spawns by weight, largest first."""
+    return (key[1] == "", -_weight(key))
 
 
 def wait_order(module: str) -> float:
-    """Where a test module goes among those that read pooled results: by the heaviest world it waits
-    for, lightest first. The pool starts the heaviest world first and hands a world's results back
-    only when its whole spawn ends, so a module waiting on it early would hold up every test after
-    it, while the lighter worlds run on a second thread and return in minutes."""
-    return max((_weight(w) for w, jobs in _JOBS.items() if any(j.module == module for j in jobs)), default=0.0)
+    """Where a test module goes among those that read pooled results: by the last spawn it waits for
+    in the pool's order, so that the tests read the spawns about as they end (a spawn hands its
+    results back only when it ends) and a test that waits leaves its core to the spawns still running."""
+    order = sorted(_JOBS, key=_order)
+    return max((order.index(k) for k, jobs in _JOBS.items() if any(j.module == module for j in jobs)), default=0)
 
 
 def start() -> None:
-    """Runs every world registered so far in a background thread, largest total job timeout first."""
+    """Runs every spawn registered so far in ``_THREADS`` background threads, in the pool's order."""
     _ENV.update(os.environ)
     _T0.append(time.perf_counter())
-    preload_in_forkserver(["pool", "parity", *sorted(modules())])
+    # Inductor's modules too: most spawns compile something, and each rank would import them (seconds)
+    preload_in_forkserver(["pool", "parity", "torch._inductor.compile_fx", *sorted(modules())])
     with _LOCK:
-        _PENDING[:] = sorted(_JOBS, key=lambda w: -_weight(w))
-        for world in _PENDING:
-            _DONE[world] = threading.Event()
-    thread = threading.Thread(target=_run_quietly, name="autopar-test-pool", daemon=True)
-    _BACKGROUND.append(thread)
-    thread.start()
+        _PENDING[:] = sorted(_JOBS, key=_order)
+        for key in _PENDING:
+            _DONE[key] = threading.Event()
+    for n in range(_THREADS):
+        thread = threading.Thread(target=_run_quietly, name=f"autopar-test-pool-{n}", daemon=True)
+        _BACKGROUND.append(thread)
+        thread.start()
 
 
 def stop() -> None:
@@ -140,19 +159,18 @@ def stop() -> None:
 
 
 def _run_quietly() -> None:
-    """A background thread: the pending worlds one at a time (a second such thread may run beside
-    it while a test waits, ``_second_thread``)."""
+    """A background thread: the pending spawns one at a time."""
     while True:
         with _LOCK:
             if not _PENDING:
                 return
-            world = _PENDING.pop(0)
+            key = _PENDING.pop(0)
         try:
-            _run_world(world)
-        except Exception:   # recorded in _FAILED: the tests that read the world report it
+            _run_spawn(key)
+        except Exception:   # recorded in _FAILED: the tests that read the spawn report it
             pass
         finally:
-            _DONE[world].set()
+            _DONE[key].set()
 
 
 def _restore_environment(env: dict[str, str]) -> None:
@@ -178,6 +196,7 @@ def _frames() -> int:
 
 def _run_all(rank, world, jobs, env):
     _restore_environment(env)
+    os.nice(NICE)
     started, out = _cpu_seconds(), []
     for fn, args in jobs:
         start, cpu, frames = time.perf_counter(), _cpu_seconds(), _frames()
@@ -191,42 +210,31 @@ def _run_all(rank, world, jobs, env):
     return pickle.dumps((started, _cpu_seconds(), out))
 
 
-def _run(world: int) -> list:
-    """A test's request: a world the background thread has yet to run goes first, and is waited for."""
+def _run(key: tuple[int, str]) -> list:
+    """A test's request: a spawn the background threads have yet to run goes first, and is waited for."""
     with _LOCK:
-        if world in _PENDING:
-            _PENDING.remove(world)
-            _PENDING.insert(0, world)
-        done = _DONE.get(world)
+        if key in _PENDING:
+            _PENDING.remove(key)
+            _PENDING.insert(0, key)
+        done = _DONE.get(key)
     if done is not None and any(t.is_alive() for t in _BACKGROUND):
-        _second_thread()
         done.wait()
-    return _run_world(world)
+    return _run_spawn(key)
 
 
-def _second_thread() -> None:
-    """While a test waits, this process leaves a core free: a second background thread runs the
-    worlds still pending beside the first, at most two spawns at once."""
+def _run_spawn(key: tuple[int, str]) -> list:
     with _LOCK:
-        if len([t for t in _BACKGROUND if t.is_alive()]) >= 2 or not _PENDING:
-            return
-        thread = threading.Thread(target=_run_quietly, name="autopar-test-pool-2", daemon=True)
-        _BACKGROUND.append(thread)
-    thread.start()
-
-
-def _run_world(world: int) -> list:
-    with _LOCK:
-        lock = _LOCKS.setdefault(world, threading.Lock())
+        lock = _LOCKS.setdefault(key, threading.Lock())
     with lock:
-        return _run_locked(world)
+        return _run_locked(key)
 
 
-def _run_locked(world: int) -> list:
-    if world in _FAILED:   # a new exception each time: re-raising one would grow its traceback per test
-        raise JobError(f"the pool of {world} ranks failed: {_FAILED[world]}")
-    jobs = _JOBS[world]
-    done = _RESULTS.get(world, [[]])[0]
+def _run_locked(key: tuple[int, str]) -> list:
+    world = key[0]
+    if key in _FAILED:   # a new exception each time: re-raising one would grow its traceback per test
+        raise JobError(f"the pool of {_name(key)} failed: {_FAILED[key]}")
+    jobs = _JOBS[key]
+    done = _RESULTS.get(key, [[]])[0]
     if len(done) < len(jobs):   # jobs registered after the last spawn (a module imported late)
         with _LOCK:
             if not _WORKDIR:
@@ -243,22 +251,27 @@ def _run_locked(world: int) -> list:
             res = spawn(_run_all, world, work, dict(_ENV), timeout=min(3600.0, sum(j.timeout for j in todo)),
                         start_method="forkserver")
         except Exception as e:
-            _FAILED[world] = f"{type(e).__name__}: {e}"
+            _FAILED[key] = f"{type(e).__name__}: {e}"
             raise
         finally:
             t0 = _T0[0] if _T0 else began
             returned = [pickle.loads(r) for r in res] if res else []
-            _SPANS.append((world, began - t0, time.perf_counter() - t0, sum(used for _, used, _ in returned),
+            _SPANS.append((key, began - t0, time.perf_counter() - t0, sum(used for _, used, _ in returned),
                            sum(started for started, _, _ in returned)))
-        previous = _RESULTS.get(world, [[] for _ in range(world)])
-        _RESULTS[world] = [previous[r] + returned[r][2] for r in range(world)]
-    return _RESULTS[world]
+        previous = _RESULTS.get(key, [[] for _ in range(world)])
+        _RESULTS[key] = [previous[r] + returned[r][2] for r in range(world)]
+    return _RESULTS[key]
+
+
+def _name(key: tuple[int, str]) -> str:
+    world, lane = key
+    return f"{world} ranks" + (f" ({lane})" if lane else "")
 
 
 def timeline() -> str:
-    """When each world ran (seconds since the pool started) and how long tests waited for results."""
-    spans = ", ".join(f"{w} ranks {a:.0f}-{b:.0f} s ({cpu:.0f} CPU s, {start:.0f} starting)"
-                      for w, a, b, cpu, start in _SPANS)
+    """When each spawn ran (seconds since the pool started) and how long tests waited for results."""
+    spans = ", ".join(f"{_name(k)} {a:.0f}-{b:.0f} s ({cpu:.0f} CPU s, {start:.0f} starting)"
+                      for k, a, b, cpu, start in _SPANS)
     return f"pool timeline: {spans}; tests waited {_WAITED[0]:.0f} s for pooled results"
 
 
@@ -266,9 +279,9 @@ def timings() -> list[tuple[float, float, int, str, int]]:
     """(seconds on rank 0, CPU seconds of all ranks, world size, job, frames compiled on rank 0) of
     every job run so far, slowest first."""
     out = []
-    for world, results in _RESULTS.items():
-        for k, j in enumerate(_JOBS[world]):
+    for key, results in _RESULTS.items():
+        for k, j in enumerate(_JOBS[key]):
             if k < len(results[0]):
                 cpu = sum(r[k][3] for r in results)
-                out.append((results[0][k][2], cpu, world, f"{j.fn.__module__}.{j.fn.__qualname__}", results[0][k][4]))
+                out.append((results[0][k][2], cpu, key[0], f"{j.fn.__module__}.{j.fn.__qualname__}", results[0][k][4]))
     return sorted(out, reverse=True)

@@ -92,7 +92,7 @@ def _compiled_dp2(rank, world, path):
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
 
 
-DP2 = pool.job(2, _compiled_dp2, workdir=True, timeout=600)
+DP2 = pool.job(2, _compiled_dp2, workdir=True, timeout=600, lane="inductor")
 
 
 def test_the_peer_of_the_leader_finds_its_graphs_in_the_cache():

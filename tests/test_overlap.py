@@ -73,7 +73,7 @@ def _both(rank, world):
 
 # Inductor's cache directory of the session, shared by both ranks: a kernel both need is built once
 # (Inductor locks it while one builds it, and the other loads it), and warm runs take seconds
-BOTH = pool.job(2, _both, timeout=900)
+BOTH = pool.job(2, _both, timeout=900, lane="inductor")
 
 
 @pytest.fixture(scope="module")

@@ -184,7 +184,7 @@ def _runs(rank, world):
 
 # eager, overlap on, overlap off; Inductor's default cache directory, shared by both ranks: warm
 # runs take seconds, not minutes
-RUNS = pool.job(2, _runs, timeout=900)
+RUNS = pool.job(2, _runs, timeout=900, lane="inductor")
 
 
 @pytest.fixture(scope="module")

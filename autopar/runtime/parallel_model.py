@@ -570,9 +570,12 @@ def lower(gm: torch.fx.GraphModule, compile, *, regather: bool = False, order=No
 def uses_inductor(compile) -> bool:
     """Whether ``compile`` lowers through Inductor: True, a mode, "inductor", or a partial of
     Inductor's ``compile_fx`` (``autopar.overlap.overlap_backend``)."""
+    if compile is True or compile in MODES or compile == "inductor":
+        return True
+    if not isinstance(compile, functools.partial):   # no import of Inductor (seconds) to answer False
+        return False
     from torch._inductor.compile_fx import compile_fx
-    return (compile is True or compile in MODES or compile == "inductor"
-            or (isinstance(compile, functools.partial) and compile.func is compile_fx))
+    return compile.func is compile_fx
 
 
 def _prefetches(compile) -> bool:
