@@ -195,7 +195,7 @@ def _metadata(v):
 def retype_pass(gm: GraphModule, *, precision: str) -> GraphModule:
     """``gm`` with every computed value's metadata at ``precision``'s compute dtype, in ``meta["compute_dtype"]``."""
     dtype = compute_dtype(precision)
-    out = copy_graph(gm)
+    out = copy_graph(gm, lazy=True)   # the planner prices this copy; a rewrite of it copies it again
     # placeholders keep their stored dtype (fp32 master weights, gradients, optimizer state);
     # every op is re-run on fake tensors as it will run, on 16-bit copies of them
     placeholders = [n for n in out.graph.nodes if n.op == "placeholder"]

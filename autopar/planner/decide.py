@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from autopar.cost_model import get_device
+from autopar.cost_model.memo import cached
 from autopar.cost_model.memory import kept_gathered_bytes
 from autopar.cost_model.stages import (SCHEDULES, pipeline_split, rank_param_bytes, state_bytes_per_param_byte,
                                        state_floor, unit_costs)
@@ -561,7 +562,7 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
         raise ValueError(refused)
     budget = parse_bytes(memory_budget)
     limit = dev.memory_bytes if budget is None else budget   # what recompute="auto" and keep_gathered fit in
-    sp = any(isinstance(s.output, Shard) and n.target is torch.ops.aten.layer_norm.default
+    sp = any(n.target is torch.ops.aten.layer_norm.default and isinstance(s.output, Shard)
              for n, s in assignment.strategies.items())
     kept = (tuple(given.keep_gathered) if given is not None
             else () if keep_gathered == "auto" or zero != 3 else keep_gathered)   # the knob names zero=3's units
@@ -773,17 +774,22 @@ def _regions_from_plan(cap, plan: Plan) -> list:
     return [[by_name[n] for n in region] for region in plan.recompute_regions]
 
 
-def _stage_nodes(cap, fields: dict) -> list[list]:
-    """The ops of each pipeline stage of ``fields`` (one list of every op without stages)."""
+def _stage_nodes(cap, fields: dict) -> tuple[tuple, ...]:
+    """The ops of each pipeline stage of ``fields`` (one tuple of every op without stages); callers must
+    not change it."""
     stages = fields.get("stages", ())
-    calls = [n for n in cap.gm.graph.nodes if n.op == "call_function"]
-    if not stages:
-        return [calls]
-    where = stage_of_nodes(cap, SimpleNamespace(stages=stages))
-    out = [[] for _ in stages]
-    for n in calls:
-        out[where.get(n.name, len(stages) - 1)].append(n)
-    return out
+
+    def compute():
+        calls = [n for n in cap.gm.graph.nodes if n.op == "call_function"]
+        if not stages:
+            return (tuple(calls),)
+        where = stage_of_nodes(cap, SimpleNamespace(stages=stages))
+        out = [[] for _ in stages]
+        for n in calls:
+            out[where.get(n.name, len(stages) - 1)].append(n)
+        return tuple(map(tuple, out))
+    # once per cut: a candidate's memory, its recompute choice and its kept units each ask
+    return cached(cap.gm.graph, ("stage_nodes", tuple(s.modules for s in stages)), compute)
 
 
 def _memory_fields(cap, strategies, mesh, dev, fields: dict, *, recompute: str, budget, zero: int,

@@ -254,8 +254,11 @@ def sharding_fields(cap: Captured, assignment: Assignment, mesh, dev, *, sequenc
     tp, dp = mesh.tp, mesh.dp
     tp_inter = axis_is_inter_node(tp, 1, gpus_per_node)
     laid, local_bytes, nodes, tp_bytes = _laid_out(cap, strategies, tp)
-    params = [ParamPlan(fqn, full, {**dp_placements(mesh, zero), "tp": pl}, loc, aliases)
-              for fqn, full, pl, loc, aliases in laid]
+    on_dp = dp_placements(mesh, zero)
+    # one tuple per layout and dp placements: the ZeRO stages and meshes of one tp often share both
+    params = cached(cap.gm.graph, ("param_plans", tuple(on_dp.items())),
+                    lambda: tuple(ParamPlan(fqn, full, {**on_dp, "tp": pl}, loc, aliases)
+                                  for fqn, full, pl, loc, aliases in laid), laid)
     m = microbatches
     agg: dict[tuple, list] = {}
     for key, sizes in tp_bytes.items():   # summed as one pass over the collectives would sum them
@@ -289,7 +292,7 @@ def sharding_fields(cap: Captured, assignment: Assignment, mesh, dev, *, sequenc
     model_flops = m * mesh.dp * _graph_flops(cap)
     return dict(mesh=(mesh.dp, mesh.pp, mesh.tp), dp_replicate=mesh.dp_replicate, cp=mesh.cp,
                 cp_attention=cp_attention, input_shapes=input_shapes, sequence_parallel=bool(sequence_parallel),
-                zero=zero, microbatches=m, device=dev.name, parameters=tuple(params), nodes=nodes, collectives=colls,
+                zero=zero, microbatches=m, device=dev.name, parameters=params, nodes=nodes, collectives=colls,
                 predicted_compute_s=compute, predicted_comm_s=tp_comm + dp_comm, solve_seconds=assignment.solve_seconds,
                 source=source, model_flops=model_flops, step_terms=dict(compute=compute, tp=tp_comm, dp=dp_comm),
                 dp_units=(local_bytes, units, names))
