@@ -38,7 +38,7 @@ from autopar.planner.megatron import megatron_options
 from autopar.planner.mesh_search import rank_meshes, ranking_table
 from autopar.planner.recompute import choose_recompute, memory_breakdown, regions_for
 from autopar.planner.reshard import choose_kept
-from autopar.planner.sharding import (Assignment, check_tp, enumerate_strategies, sharding_fields, solve,
+from autopar.planner.sharding import (Assignment, check_tp, enumerate_strategies, ops_of, sharding_fields, solve,
                                       strategies_from_plan, with_regather)
 from autopar.planner.stage_cut import choose_cut
 from autopar.planner.stage_dp import cut_stages, inflight_microbatches, min_peak_memory
@@ -562,8 +562,8 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
         raise ValueError(refused)
     budget = parse_bytes(memory_budget)
     limit = dev.memory_bytes if budget is None else budget   # what recompute="auto" and keep_gathered fit in
-    sp = any(n.target is torch.ops.aten.layer_norm.default and isinstance(s.output, Shard)
-             for n, s in assignment.strategies.items())
+    sp = any(isinstance(assignment.strategies[n].output, Shard)
+             for n in ops_of(cap, torch.ops.aten.layer_norm.default))
     kept = (tuple(given.keep_gathered) if given is not None
             else () if keep_gathered == "auto" or zero != 3 else keep_gathered)   # the knob names zero=3's units
     if kept:

@@ -58,22 +58,28 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+@graph_cached
+def ops_of(cap: Captured, target) -> tuple[Node, ...]:
+    """The nodes of ``cap`` calling ``target``, in graph order, found once per capture: the planner
+    asks on every candidate mesh and ZeRO stage."""
+    return tuple(n for n in cap.gm.graph.nodes if n.target is target)
+
+
 def check_tp(cap: Captured, tp: int) -> None:
     """Fail early, with the valid choices, when tp cannot split the attention heads or hidden size."""
-    for node in cap.gm.graph.nodes:
-        if node.target is aten.scaled_dot_product_attention.default:
-            heads, head_dim = shape(node.args[0])[1], shape(node.args[0])[-1]
-            kv_heads = shape(node.args[1])[1]
-            if heads % tp or kv_heads % tp:
-                valid = [d for d in divisors(heads) if kv_heads % d == 0]
-                raise PlanError(f"tp={tp} does not divide {heads} attention heads"
-                                + (f" ({kv_heads} key/value heads)" if kv_heads != heads else "")
-                                + f" in {node.meta.get('module_path') or 'the model'}; "
-                                f"valid tp for this model: {', '.join(map(str, valid))}")
-            hidden = heads * head_dim
-            if hidden % tp:
-                raise PlanError(f"tp={tp} does not divide the hidden size {hidden}; "
-                                f"valid tp: {', '.join(map(str, divisors(hidden)))}")
+    for node in ops_of(cap, aten.scaled_dot_product_attention.default):
+        heads, head_dim = shape(node.args[0])[1], shape(node.args[0])[-1]
+        kv_heads = shape(node.args[1])[1]
+        if heads % tp or kv_heads % tp:
+            valid = [d for d in divisors(heads) if kv_heads % d == 0]
+            raise PlanError(f"tp={tp} does not divide {heads} attention heads"
+                            + (f" ({kv_heads} key/value heads)" if kv_heads != heads else "")
+                            + f" in {node.meta.get('module_path') or 'the model'}; "
+                            f"valid tp for this model: {', '.join(map(str, valid))}")
+        hidden = heads * head_dim
+        if hidden % tp:
+            raise PlanError(f"tp={tp} does not divide the hidden size {hidden}; "
+                            f"valid tp: {', '.join(map(str, divisors(hidden)))}")
 
 
 @graph_cached
