@@ -1,6 +1,7 @@
 """What the planner keeps or leaves undone to plan faster gives the answers doing the work gives: the
-ParamPlans kept per layout and dp placements, the ops of a stage cut kept per cut, the retyped copy's
-code generated only when read, and the garbage collector paused only while planning."""
+ParamPlans kept per layout and dp placements, the ops of a stage cut kept per cut, the parameters'
+local bytes kept per their strategies, the retyped copy's code generated only when read, and the
+garbage collector paused only while planning."""
 from __future__ import annotations
 
 import copy
@@ -10,13 +11,16 @@ import torch
 from torch.fx import GraphModule
 
 import autopar
+from autopar.cost_model.memory import local_param_bytes
 from autopar.examples.gpt import build, example_inputs
 from autopar.passes.capture import capture_pass
 from autopar.passes.precision import retyped
+from autopar.passes.rules import Strategy
 from autopar.passes.units import stage_of_nodes
 from autopar.planner.decide import _stage_nodes, rebuild
 from autopar.plans import dp_placements
 from autopar.mesh import Mesh
+from autopar.placement import R
 
 
 def _model(n_layer: int = 2):
@@ -52,6 +56,22 @@ def test_stage_ops_are_the_cut_asked_for():
                          for s in range(len(plan.stages)))
         assert _stage_nodes(cap, {"stages": plan.stages}) == expected
     assert _stage_nodes(cap, {}) == (tuple(calls),)
+
+
+def test_local_parameter_bytes_follow_the_strategies_of_the_parameters():
+    """Another placement of one parameter is another question: its bytes change, the others' stay."""
+    model, x = _model()
+    plan = autopar.plan(model, (1, 1, 2), x, device="h100")
+    cap, strategies = rebuild(model, plan, x)
+    fqns = list(cap.params)
+    sharded = next(f for f in fqns if strategies[cap.params[f]].output != R)
+    first = dict(local_param_bytes(cap, strategies, fqns, 2))
+    whole = {**strategies, cap.params[sharded]: Strategy((), R)}
+    again = local_param_bytes(cap, whole, fqns, 2)
+    val = cap.params[sharded].meta["val"]
+    assert first[sharded] < again[sharded] == val.numel() * val.element_size()
+    assert {f: b for f, b in again.items() if f != sharded} == {f: b for f, b in first.items() if f != sharded}
+    assert local_param_bytes(cap, strategies, fqns, 2) == first
 
 
 def test_retyped_code_is_generated_when_read_or_run():
