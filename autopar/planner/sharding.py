@@ -141,6 +141,8 @@ def solve(cap: Captured, options: dict[Node, list[Strategy]], tp: int, dev, *,
     g = cap.gm.graph
     problem = cached(g, ("ilp_problem", tp, inter_node), lambda: _problem(cap, options, tp, dev, inter_node),
                      options, dev)
+    # the ILP's structure and constraints, built once for the problem's parameter byte prices (``solve_strategies``)
+    reused = cached(g, ("ilp_reuse", tp, inter_node), dict, options, dev)
 
     def run():
         nodes, ids, rep, mult, base, param_bytes, edges, shared = problem
@@ -152,7 +154,8 @@ def solve(cap: Captured, options: dict[Node, list[Strategy]], tp: int, dev, *,
         if memory_budget is not None:
             memory = [mult[n] * np.array([m * param_state_bytes for m in param_bytes[n]]) for n in nodes]
         t0 = time.perf_counter()
-        sol = solve_strategies(node_costs, edges, node_memory=memory, memory_budget=memory_budget, shared=shared)
+        sol = solve_strategies(node_costs, edges, node_memory=memory, memory_budget=memory_budget, shared=shared,
+                               reuse=reused)
         seconds = time.perf_counter() - t0
         return {n: options[n][sol.choice[ids[rep[n]]]] for n in options}, seconds, sol.objective
 
