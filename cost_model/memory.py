@@ -540,14 +540,20 @@ def param_grad_bytes(cap, strategies, fqns, tp: int, dp: int, zero: int, working
 
 
 def local_param_bytes(cap, strategies, fqns, tp: int) -> dict[str, float]:
-    """FQN -> bytes of its local (tp) shard under ``strategies``, for the parameters ``fqns``."""
-    local = {}
-    for fqn in fqns:
-        node = cap.params[fqn]
-        v = node.meta["val"]
-        # an exact integer product (np.prod's, as the sizes are far below 2**63), without numpy's per-call cost
-        local[fqn] = float(math.prod(local_shape(tuple(v.shape), strategies[node].output, tp))) * v.element_size()
-    return local
+    """FQN -> bytes of its local (tp) shard under ``strategies``, for the parameters ``fqns``; once per
+    parameters, tp and their strategies (``cost_model.memo``: a stage's weights, gradients and kept
+    units ask it alike, and so do the ZeRO stages of a mesh). Callers must not change the dict."""
+    fqns = tuple(fqns)
+    nodes = [cap.params[f] for f in fqns]
+
+    def compute():
+        local = {}
+        for fqn, node in zip(fqns, nodes):
+            v = node.meta["val"]
+            # an exact integer product (np.prod's, as the sizes are far below 2**63), without numpy's per-call cost
+            local[fqn] = float(math.prod(local_shape(tuple(v.shape), strategies[node].output, tp))) * v.element_size()
+        return local
+    return cached(cap.gm.graph, ("local_param_bytes", fqns, tp), compute, *strategies_of(strategies, nodes))
 
 
 def stage_fqns(cap, nodes) -> list[str]:

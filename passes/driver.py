@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import torch
 from torch.fx import GraphModule
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils._pytree import tree_map
 
 log = logging.getLogger("autopar.passes")
@@ -47,13 +48,15 @@ log = logging.getLogger("autopar.passes")
 Step = tuple[Callable[..., GraphModule], dict[str, Any]]
 
 
-def copy_graph(gm: GraphModule) -> GraphModule:
+def copy_graph(gm: GraphModule, *, lazy: bool = False) -> GraphModule:
     """A GraphModule on a copy of ``gm``'s graph, for a pass to rewrite.
 
     Its nodes are new (each with a shallow copy of its ``meta``, so setting a key on one leaves
     ``gm``'s node alone), its submodules and attributes are ``gm``'s own (a pass adds or replaces
-    them, never edits them in place), and its ``meta`` is a shallow copy of ``gm.meta``."""
-    out = GraphModule(gm, copy.deepcopy(gm.graph))
+    them, never edits them in place), and its ``meta`` is a shallow copy of ``gm.meta``. With
+    ``lazy`` its Python code is generated when it is first run or read, not at each recompile: for
+    a graph that is mostly only read (generating a large model's code takes seconds)."""
+    out = (_LazyGraphModule if lazy else GraphModule)(gm, copy.deepcopy(gm.graph))
     out.meta.update(gm.meta)
     return out
 

@@ -195,7 +195,7 @@ def _metadata(v):
 def retype_pass(gm: GraphModule, *, precision: str) -> GraphModule:
     """``gm`` with every computed value's metadata at ``precision``'s compute dtype, in ``meta["compute_dtype"]``."""
     dtype = compute_dtype(precision)
-    out = copy_graph(gm)
+    out = copy_graph(gm, lazy=True)   # the planner prices this copy; a rewrite of it copies it again
     # placeholders keep their stored dtype (fp32 master weights, gradients, optimizer state);
     # every op is re-run on fake tensors as it will run, on 16-bit copies of them
     placeholders = [n for n in out.graph.nodes if n.op == "placeholder"]
@@ -218,10 +218,12 @@ def retyped(cap: Captured, precision: str) -> Captured:
     return cap.with_graph(gm)
 
 
+@graph_cached
 def working_copy_ratio(cap) -> float:
     """Bytes of a step's 16-bit working copy (``WorkingCopies``) per byte of stored parameter:
     0.5 for bf16 or fp16 compute on fp32 weights, 0 when the weights are used as they are.
-    ``cap``: as ``autopar.passes.precision.retyped`` returns it (its graph's ``meta["compute_dtype"]``)."""
+    ``cap``: as ``autopar.passes.precision.retyped`` returns it (its graph's ``meta["compute_dtype"]``).
+    Read once per capture: the prices of every candidate mesh and stage ask it."""
     dtype = cap.gm.meta.get("compute_dtype")
     stored = {n.meta["val"].dtype for n in cap.params.values()}
     if dtype is None or stored <= {dtype}:

@@ -191,3 +191,32 @@ def test_random_budget_at_and_below_minimum(seed):
     sol = solve_strategies(node_costs, edges, node_memory=mem, memory_budget=lo)
     assert sol.memory == lo
     assert sol.objective == pytest.approx(brute_force(node_costs, edges, mem, lo).objective)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_reused_structure_gives_the_fresh_answer(seed):
+    """Solving with ``reuse`` (the structure kept between calls on the same edges) gives what a fresh
+    solve gives, for costs that forbid the same entries and for costs that forbid others, which
+    rebuild the structure; a call on other edges starts again."""
+    node_costs, edges, _ = random_instance(seed)
+    rng = np.random.default_rng(1000 + seed)
+    reuse: dict = {}
+    variants = []
+    for k in range(6):
+        costs = [np.where(np.isfinite(c), c + rng.uniform(0, 5, size=c.size), np.inf) for c in node_costs]
+        if k in (2, 4):   # forbid one more strategy of a node that keeps another
+            v = next(v for v, c in enumerate(costs) if np.isfinite(c).sum() > 1)
+            costs[v][int(np.flatnonzero(np.isfinite(costs[v]))[0])] = np.inf
+        variants.append(costs)
+    for costs in variants + variants[::-1]:
+        try:
+            fresh = solve_strategies(costs, edges)
+        except InfeasibleError:
+            with pytest.raises(InfeasibleError):
+                solve_strategies(costs, edges, reuse=reuse)
+            continue
+        again = solve_strategies(costs, edges, reuse=reuse)
+        assert (again.choice, again.objective, again.status) == (fresh.choice, fresh.objective, fresh.status)
+    other_costs, other_edges, _ = random_instance(seed + 100)
+    fresh = solve_strategies(other_costs, other_edges)
+    assert solve_strategies(other_costs, other_edges, reuse=reuse).choice == fresh.choice

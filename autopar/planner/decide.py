@@ -6,6 +6,8 @@ from ``cost_model``; the searches are the modules beside this one.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gc
 import math
 import re
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ import numpy as np
 import torch
 
 from autopar.cost_model import get_device
+from autopar.cost_model.memo import cached
 from autopar.cost_model.memory import kept_gathered_bytes
 from autopar.cost_model.stages import (SCHEDULES, pipeline_split, rank_param_bytes, state_bytes_per_param_byte,
                                        state_floor, unit_costs)
@@ -35,7 +38,7 @@ from autopar.planner.megatron import megatron_options
 from autopar.planner.mesh_search import rank_meshes, ranking_table
 from autopar.planner.recompute import choose_recompute, memory_breakdown, regions_for
 from autopar.planner.reshard import choose_kept
-from autopar.planner.sharding import (Assignment, check_tp, enumerate_strategies, sharding_fields, solve,
+from autopar.planner.sharding import (Assignment, check_tp, enumerate_strategies, ops_of, sharding_fields, solve,
                                       strategies_from_plan, with_regather)
 from autopar.planner.stage_cut import choose_cut
 from autopar.planner.stage_dp import cut_stages, inflight_microbatches, min_peak_memory
@@ -122,6 +125,25 @@ def _microbatch_options(mesh: Mesh, batch: int, schedule: str, microbatches) -> 
     return ok
 
 
+def _collector_paused(fn):
+    """``fn`` run with Python's cyclic garbage collector off (as it was, after): planning makes
+    millions of small objects that live to its end (prices, memo entries, strategies), and every
+    full collection while it runs scans them and the captured graphs again, finding almost nothing
+    to free: a sixth of the planning time of a 70B model. Reference counting still frees what it
+    can; the collector's next pass after planning frees the cycles left."""
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+    return paused
+
+
+@_collector_paused
 def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto", recompute="none",
            memory_budget=None, schedule="1F1B", microbatches=None, zero=0, device="h100",
            gpus_per_node=8, stages=None, virtual_stages=None, world_size=None,
@@ -540,8 +562,8 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
         raise ValueError(refused)
     budget = parse_bytes(memory_budget)
     limit = dev.memory_bytes if budget is None else budget   # what recompute="auto" and keep_gathered fit in
-    sp = any(isinstance(s.output, Shard) and n.target is torch.ops.aten.layer_norm.default
-             for n, s in assignment.strategies.items())
+    sp = any(isinstance(assignment.strategies[n].output, Shard)
+             for n in ops_of(cap, torch.ops.aten.layer_norm.default))
     kept = (tuple(given.keep_gathered) if given is not None
             else () if keep_gathered == "auto" or zero != 3 else keep_gathered)   # the knob names zero=3's units
     if kept:
@@ -752,17 +774,22 @@ def _regions_from_plan(cap, plan: Plan) -> list:
     return [[by_name[n] for n in region] for region in plan.recompute_regions]
 
 
-def _stage_nodes(cap, fields: dict) -> list[list]:
-    """The ops of each pipeline stage of ``fields`` (one list of every op without stages)."""
+def _stage_nodes(cap, fields: dict) -> tuple[tuple, ...]:
+    """The ops of each pipeline stage of ``fields`` (one tuple of every op without stages); callers must
+    not change it."""
     stages = fields.get("stages", ())
-    calls = [n for n in cap.gm.graph.nodes if n.op == "call_function"]
-    if not stages:
-        return [calls]
-    where = stage_of_nodes(cap, SimpleNamespace(stages=stages))
-    out = [[] for _ in stages]
-    for n in calls:
-        out[where.get(n.name, len(stages) - 1)].append(n)
-    return out
+
+    def compute():
+        calls = [n for n in cap.gm.graph.nodes if n.op == "call_function"]
+        if not stages:
+            return (tuple(calls),)
+        where = stage_of_nodes(cap, SimpleNamespace(stages=stages))
+        out = [[] for _ in stages]
+        for n in calls:
+            out[where.get(n.name, len(stages) - 1)].append(n)
+        return tuple(map(tuple, out))
+    # once per cut: a candidate's memory, its recompute choice and its kept units each ask
+    return cached(cap.gm.graph, ("stage_nodes", tuple(s.modules for s in stages)), compute)
 
 
 def _memory_fields(cap, strategies, mesh, dev, fields: dict, *, recompute: str, budget, zero: int,

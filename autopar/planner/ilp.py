@@ -128,7 +128,7 @@ class Solution:
 
 # --------------------------------------------------------------------------- input checks
 
-def _validate(node_costs, edges, node_memory, memory_budget):
+def _validate_costs(node_costs) -> list:
     costs = []
     for v, c in enumerate(node_costs):
         a = np.array(c, dtype=float)
@@ -137,6 +137,11 @@ def _validate(node_costs, edges, node_memory, memory_budget):
         if np.isnan(a).any() or (a == -np.inf).any():
             raise ValueError(f"node {v}: costs contain NaN or -inf")
         costs.append(a)
+    return costs
+
+
+def _validate(node_costs, edges, node_memory, memory_budget):
+    costs = _validate_costs(node_costs)
     n = len(costs)
     elist = []
     for k, e in enumerate(edges):
@@ -252,16 +257,60 @@ class _Reduced:
     constant: float       # cost from edges between fixed nodes
 
 
+@dataclass
+class _Structure:
+    """What the reduction derives from which entries are forbidden (infinite) alone: the self-loops'
+    diagonals and the rows folded in from fixed neighbours (each added to a node's costs, in order),
+    the surviving strategies, the fixed nodes, the free pair edges and the constant. Costs with the
+    same forbidden entries on the same edges share it; ``_fold`` prices them."""
+    n: int
+    loops: list           # (v, diagonal added to v's costs), in edge order
+    alive: list
+    fixed: dict
+    folds: list           # (v, row added to v's costs), in pair order
+    pairs: list
+    constant: float
+
+
 def _reduce(costs, elist) -> _Reduced:
+    st = _structure(costs, elist)
+    return _Reduced(st.n, _fold(costs, st), st.alive, st.fixed, st.pairs, st.constant)
+
+
+def _fold(costs, st: _Structure) -> list:
+    """Each node's effective costs: its own with the loops' diagonals, inf where it is dead, and the
+    rows of its fixed neighbours, added in the order the reduction found them."""
+    cost = [c.copy() for c in costs]
+    for v, diagonal in st.loops:
+        cost[v] = cost[v] + diagonal
+    for v in range(st.n):
+        cost[v] = np.where(st.alive[v], cost[v], np.inf)
+    for v, row in st.folds:
+        cost[v] = cost[v] + row
+    return cost
+
+
+def _finite(costs, loops) -> tuple:
+    """Where each node's costs are finite with its self-loops' diagonals added as ``_structure`` adds
+    them: all of the costs that the structure depends on."""
+    cost = list(costs)
+    for v, diagonal in loops:
+        cost[v] = cost[v] + diagonal
+    return tuple(np.isfinite(c).tobytes() for c in cost)
+
+
+def _structure(costs, elist) -> _Structure:
     n = len(costs)
     cost = [c.copy() for c in costs]
+    loops = []
     for v, c in enumerate(costs):
         if not np.isfinite(c).any():
             raise InfeasibleError(f"node {v}: every strategy is forbidden (infinite cost)")
     pair_mats: dict[tuple[int, int], np.ndarray] = {}
     for u, v, r in elist:
         if u == v:
-            cost[v] = cost[v] + np.diag(r)
+            loops.append((v, np.diag(r)))
+            cost[v] = cost[v] + loops[-1][1]
             if not np.isfinite(cost[v]).any():
                 raise InfeasibleError(f"node {v}: its loop-back edge forbids every strategy "
                                       f"(infinite diagonal)")
@@ -302,22 +351,20 @@ def _reduce(costs, elist) -> _Reduced:
         if (sup_b != alive[b]).any():
             shrink(b, sup_b, a)
 
-    for v in range(n):
-        cost[v] = np.where(alive[v], cost[v], np.inf)
     fixed = {v: int(np.flatnonzero(alive[v])[0]) for v in range(n) if alive[v].sum() == 1}
     constant = 0.0
-    free_pairs = []
+    free_pairs, folds = [], []
     for a, b, m, _ in pairs:
         fa, fb = a in fixed, b in fixed
         if fa and fb:
             constant += float(m[fixed[a], fixed[b]])
         elif fa:
-            cost[b] = cost[b] + np.where(alive[b], m[fixed[a], :], 0.0)
+            folds.append((b, np.where(alive[b], m[fixed[a], :], 0.0)))
         elif fb:
-            cost[a] = cost[a] + np.where(alive[a], m[:, fixed[b]], 0.0)
+            folds.append((a, np.where(alive[a], m[:, fixed[b]], 0.0)))
         else:
             free_pairs.append((a, b, m))
-    return _Reduced(n, cost, alive, fixed, free_pairs, constant)
+    return _Structure(n, loops, alive, fixed, folds, free_pairs, constant)
 
 
 # --------------------------------------------------------------------------- the MILP
@@ -331,14 +378,15 @@ class _Model:
         self.free = free
         col = 0
         self.xcol = {}          # v -> array: strategy -> column (-1 if dead)
-        xcost, xmem = [], []
+        xmem = []
+        self.xsel = []          # (v, its alive strategies): the x columns, in order
         for v in free:
             idx = np.full(red.alive[v].size, -1, dtype=np.int64)
             s = np.flatnonzero(red.alive[v])
             idx[s] = np.arange(col, col + s.size)
             col += s.size
             self.xcol[v] = idx
-            xcost.append(red.cost[v][s])
+            self.xsel.append((v, s))
             xmem.append(mem[v][s] if mem is not None else np.zeros(s.size))
         self.nx = col
         rows, cols, vals = [], [], []
@@ -381,7 +429,8 @@ class _Model:
                                  shape=(r, col))
         self.b_eq = np.zeros(r)
         self.b_eq[:len(free)] = 1.0
-        self.cost = np.concatenate([cat(xcost), cat(ycost), np.array(zcost)]) if col else np.zeros(0)
+        self.ycost, self.zcost = cat(ycost), np.array(zcost)
+        self.cost = self.objective(red.cost)
         self.A_ub = None
         if zrows:
             ur, uc, uv, ub = [], [], [], []
@@ -396,6 +445,14 @@ class _Model:
         self.xmem = cat(xmem)
         self.integrality = np.zeros(col)
         self.integrality[:self.nx] = 1
+
+    def objective(self, cost) -> np.ndarray:
+        """The objective vector for the reduced costs ``cost`` (``_fold``'s): the x columns' costs, then
+        the pair and shared-group columns', which do not depend on them."""
+        if not self.ncols:
+            return np.zeros(0)
+        xcost = [cost[v][s] for v, s in self.xsel]
+        return np.concatenate([np.concatenate(xcost) if xcost else np.zeros(0), self.ycost, self.zcost])
 
     def solve(self, objective, mem_rhs, time_limit, mip_rel_gap):
         import scipy.sparse as sp
@@ -465,19 +522,42 @@ class _Model:
 
 def solve_strategies(node_costs: Sequence, edges: Sequence, *, node_memory=None,
                      memory_budget=None, time_limit: float = 60.0,
-                     mip_rel_gap: float = 1e-9, shared: Sequence = ()) -> Solution:
+                     mip_rel_gap: float = 1e-9, shared: Sequence = (), reuse: dict | None = None) -> Solution:
     """Choose one strategy per node minimising node + edge + shared-group costs (see module docstring).
 
     Raises InfeasibleError when no assignment exists (forbidden entries or memory budget),
     SolverError when the time limit passes before any feasible assignment is found.
     A time-limited but feasible result comes back with status "time_limit".
+
+    ``reuse``: a dict the caller keeps with ``edges`` and ``shared``, passing those same objects on
+    every call, that holds the reduction's structure and the MILP's constraints between calls without
+    ``node_memory``: costs forbidding the same entries as the last call's get the model built for
+    those, with only its objective priced again, the very model (and so the answer) a fresh build gives.
     """
     t0 = time.perf_counter()
-    costs, elist, mem, budget = _validate(node_costs, edges, node_memory, memory_budget)
-    groups = _validate_shared(shared, costs)
-    red = _reduce(costs, elist)
+    use = reuse is not None and node_memory is None and memory_budget is None
+    if use and reuse.get("inputs") == (id(edges), id(shared)):   # held below: the ids are of those objects
+        costs, mem, budget = _validate_costs(node_costs), None, None
+        elist, groups = reuse["validated"]
+    else:
+        costs, elist, mem, budget = _validate(node_costs, edges, node_memory, memory_budget)
+        groups = _validate_shared(shared, costs)
+        if use:
+            reuse.clear()
+            reuse.update(inputs=(id(edges), id(shared)), held=(edges, shared), validated=(elist, groups))
+    # the reduction reads the costs only through where they are finite once the loops are added
+    if use and "model" in reuse and _finite(costs, reuse["model"][0].loops) == reuse["finite"]:
+        st, model = reuse["model"]
+        red = _Reduced(st.n, _fold(costs, st), st.alive, st.fixed, st.pairs, st.constant)
+        objective = model.objective(red.cost)
+    else:
+        st = _structure(costs, elist)
+        red = _Reduced(st.n, _fold(costs, st), st.alive, st.fixed, st.pairs, st.constant)
+        model = _Model(red, mem, groups)
+        objective = model.cost
+        if use:
+            reuse.update(finite=_finite(costs, st.loops), model=(st, model))
     fixed_mem = sum(float(mem[v][s]) for v, s in red.fixed.items()) if mem is not None else 0.0
-    model = _Model(red, mem, groups)
     status = "optimal"
     if model.ncols == 0:
         choice = model.decode(np.zeros(0))
@@ -485,7 +565,7 @@ def solve_strategies(node_costs: Sequence, edges: Sequence, *, node_memory=None,
             raise _budget_error(fixed_mem, budget)
     else:
         mem_rhs = None if budget is None else budget - fixed_mem
-        res = model.solve(model.cost, mem_rhs, time_limit, mip_rel_gap)
+        res = model.solve(objective, mem_rhs, time_limit, mip_rel_gap)
         if res.status == 2:
             raise _diagnose(model, mem, budget, time_limit)
         if res.x is None and res.status != 1:

@@ -58,22 +58,28 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+@graph_cached
+def ops_of(cap: Captured, target) -> tuple[Node, ...]:
+    """The nodes of ``cap`` calling ``target``, in graph order, found once per capture: the planner
+    asks on every candidate mesh and ZeRO stage."""
+    return tuple(n for n in cap.gm.graph.nodes if n.target is target)
+
+
 def check_tp(cap: Captured, tp: int) -> None:
     """Fail early, with the valid choices, when tp cannot split the attention heads or hidden size."""
-    for node in cap.gm.graph.nodes:
-        if node.target is aten.scaled_dot_product_attention.default:
-            heads, head_dim = shape(node.args[0])[1], shape(node.args[0])[-1]
-            kv_heads = shape(node.args[1])[1]
-            if heads % tp or kv_heads % tp:
-                valid = [d for d in divisors(heads) if kv_heads % d == 0]
-                raise PlanError(f"tp={tp} does not divide {heads} attention heads"
-                                + (f" ({kv_heads} key/value heads)" if kv_heads != heads else "")
-                                + f" in {node.meta.get('module_path') or 'the model'}; "
-                                f"valid tp for this model: {', '.join(map(str, valid))}")
-            hidden = heads * head_dim
-            if hidden % tp:
-                raise PlanError(f"tp={tp} does not divide the hidden size {hidden}; "
-                                f"valid tp: {', '.join(map(str, divisors(hidden)))}")
+    for node in ops_of(cap, aten.scaled_dot_product_attention.default):
+        heads, head_dim = shape(node.args[0])[1], shape(node.args[0])[-1]
+        kv_heads = shape(node.args[1])[1]
+        if heads % tp or kv_heads % tp:
+            valid = [d for d in divisors(heads) if kv_heads % d == 0]
+            raise PlanError(f"tp={tp} does not divide {heads} attention heads"
+                            + (f" ({kv_heads} key/value heads)" if kv_heads != heads else "")
+                            + f" in {node.meta.get('module_path') or 'the model'}; "
+                            f"valid tp for this model: {', '.join(map(str, valid))}")
+        hidden = heads * head_dim
+        if hidden % tp:
+            raise PlanError(f"tp={tp} does not divide the hidden size {hidden}; "
+                            f"valid tp: {', '.join(map(str, divisors(hidden)))}")
 
 
 @graph_cached
@@ -135,6 +141,8 @@ def solve(cap: Captured, options: dict[Node, list[Strategy]], tp: int, dev, *,
     g = cap.gm.graph
     problem = cached(g, ("ilp_problem", tp, inter_node), lambda: _problem(cap, options, tp, dev, inter_node),
                      options, dev)
+    # the ILP's structure and constraints, built once for the problem's parameter byte prices (``solve_strategies``)
+    reused = cached(g, ("ilp_reuse", tp, inter_node), dict, options, dev)
 
     def run():
         nodes, ids, rep, mult, base, param_bytes, edges, shared = problem
@@ -146,7 +154,8 @@ def solve(cap: Captured, options: dict[Node, list[Strategy]], tp: int, dev, *,
         if memory_budget is not None:
             memory = [mult[n] * np.array([m * param_state_bytes for m in param_bytes[n]]) for n in nodes]
         t0 = time.perf_counter()
-        sol = solve_strategies(node_costs, edges, node_memory=memory, memory_budget=memory_budget, shared=shared)
+        sol = solve_strategies(node_costs, edges, node_memory=memory, memory_budget=memory_budget, shared=shared,
+                               reuse=reused)
         seconds = time.perf_counter() - t0
         return {n: options[n][sol.choice[ids[rep[n]]]] for n in options}, seconds, sol.objective
 
@@ -254,8 +263,11 @@ def sharding_fields(cap: Captured, assignment: Assignment, mesh, dev, *, sequenc
     tp, dp = mesh.tp, mesh.dp
     tp_inter = axis_is_inter_node(tp, 1, gpus_per_node)
     laid, local_bytes, nodes, tp_bytes = _laid_out(cap, strategies, tp)
-    params = [ParamPlan(fqn, full, {**dp_placements(mesh, zero), "tp": pl}, loc, aliases)
-              for fqn, full, pl, loc, aliases in laid]
+    on_dp = dp_placements(mesh, zero)
+    # one tuple per layout and dp placements: the ZeRO stages and meshes of one tp often share both
+    params = cached(cap.gm.graph, ("param_plans", tuple(on_dp.items())),
+                    lambda: tuple(ParamPlan(fqn, full, {**on_dp, "tp": pl}, loc, aliases)
+                                  for fqn, full, pl, loc, aliases in laid), laid)
     m = microbatches
     agg: dict[tuple, list] = {}
     for key, sizes in tp_bytes.items():   # summed as one pass over the collectives would sum them
@@ -289,7 +301,7 @@ def sharding_fields(cap: Captured, assignment: Assignment, mesh, dev, *, sequenc
     model_flops = m * mesh.dp * _graph_flops(cap)
     return dict(mesh=(mesh.dp, mesh.pp, mesh.tp), dp_replicate=mesh.dp_replicate, cp=mesh.cp,
                 cp_attention=cp_attention, input_shapes=input_shapes, sequence_parallel=bool(sequence_parallel),
-                zero=zero, microbatches=m, device=dev.name, parameters=tuple(params), nodes=nodes, collectives=colls,
+                zero=zero, microbatches=m, device=dev.name, parameters=params, nodes=nodes, collectives=colls,
                 predicted_compute_s=compute, predicted_comm_s=tp_comm + dp_comm, solve_seconds=assignment.solve_seconds,
                 source=source, model_flops=model_flops, step_terms=dict(compute=compute, tp=tp_comm, dp=dp_comm),
                 dp_units=(local_bytes, units, names))

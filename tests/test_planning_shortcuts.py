@@ -1,0 +1,94 @@
+"""What the planner keeps or leaves undone to plan faster gives the answers doing the work gives: the
+ParamPlans kept per layout and dp placements, the ops of a stage cut kept per cut, the parameters'
+local bytes kept per their strategies, the retyped copy's code generated only when read, and the
+garbage collector paused only while planning."""
+from __future__ import annotations
+
+import copy
+import gc
+
+import torch
+from torch.fx import GraphModule
+
+import autopar
+from autopar.cost_model.memory import local_param_bytes
+from autopar.examples.gpt import build, example_inputs
+from autopar.passes.capture import capture_pass
+from autopar.passes.precision import retyped
+from autopar.passes.rules import Strategy
+from autopar.passes.units import stage_of_nodes
+from autopar.planner.decide import _stage_nodes, rebuild
+from autopar.plans import dp_placements
+from autopar.mesh import Mesh
+from autopar.placement import R
+
+
+def _model(n_layer: int = 2):
+    model = build("gpt2", device="meta", n_layer=n_layer)
+    return model, example_inputs(model.config, 8, 256, device="meta")
+
+
+def test_parameter_plans_follow_the_zero_stage_and_mesh_of_each_plan():
+    """Plans of one model on one tp share the layout's ParamPlans only where their dp placements match:
+    each plan's parameters are those a fresh capture gives it."""
+    model, x = _model()
+    plans = {z: autopar.plan(model, (2, 1, 2), x, device="h100", zero=z) for z in (0, 1, 3)}
+    for z, plan in plans.items():
+        fresh_model, _ = _model()
+        fresh = autopar.plan(fresh_model, (2, 1, 2), x, device="h100", zero=z)
+        assert plan.parameters == fresh.parameters
+        dp = dp_placements(Mesh(2, 1, 2), z)
+        assert all({a: p.placements[a] for a in dp} == dp for p in plan.parameters)
+    assert plans[0].parameters[0].placements["dp"] == "R" and plans[1].parameters[0].placements["dp"] == "S(0)"
+
+
+def test_stage_ops_are_the_cut_asked_for():
+    """The ops of each stage are kept per cut (its stages' modules): another cut of the same capture
+    gets its own, those the cut's units hold, in graph order."""
+    model, x = _model(n_layer=4)
+    two = autopar.plan(model, (1, 2, 1), x, device="h100", microbatches=2)
+    four = autopar.plan(model, (1, 4, 1), x, device="h100", microbatches=4)
+    cap, _ = rebuild(model, two, x)
+    calls = [n for n in cap.gm.graph.nodes if n.op == "call_function"]
+    for plan in (two, four, two):
+        where = stage_of_nodes(cap, plan)
+        expected = tuple(tuple(n for n in calls if where.get(n.name, len(plan.stages) - 1) == s)
+                         for s in range(len(plan.stages)))
+        assert _stage_nodes(cap, {"stages": plan.stages}) == expected
+    assert _stage_nodes(cap, {}) == (tuple(calls),)
+
+
+def test_local_parameter_bytes_follow_the_strategies_of_the_parameters():
+    """Another placement of one parameter is another question: its bytes change, the others' stay."""
+    model, x = _model()
+    plan = autopar.plan(model, (1, 1, 2), x, device="h100")
+    cap, strategies = rebuild(model, plan, x)
+    fqns = list(cap.params)
+    sharded = next(f for f in fqns if strategies[cap.params[f]].output != R)
+    first = dict(local_param_bytes(cap, strategies, fqns, 2))
+    whole = {**strategies, cap.params[sharded]: Strategy((), R)}
+    again = local_param_bytes(cap, whole, fqns, 2)
+    val = cap.params[sharded].meta["val"]
+    assert first[sharded] < again[sharded] == val.numel() * val.element_size()
+    assert {f: b for f, b in again.items() if f != sharded} == {f: b for f, b in first.items() if f != sharded}
+    assert local_param_bytes(cap, strategies, fqns, 2) == first
+
+
+def test_retyped_code_is_generated_when_read_or_run():
+    """The retyped copy generates its code on first use, the code a GraphModule of its graph has."""
+    model, x = _model()
+    cap = retyped(capture_pass(model, x, require_loss=True), "bf16")
+    assert cap.gm.meta["compute_dtype"] is torch.bfloat16
+    assert cap.gm.code == GraphModule(cap.gm, copy.deepcopy(cap.gm.graph)).code
+
+
+def test_planning_leaves_the_garbage_collector_as_it_found_it():
+    model, x = _model()
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            autopar.plan(model, (1, 1, 2), x, device="h100")
+            assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
