@@ -16,8 +16,9 @@ beside the world's other jobs, in a second spawn, the two use both cores.
 Once collection is over, ``start()`` (called by conftest) runs every registered spawn in three
 background threads, the named lanes first, then the heaviest worlds, while the main process goes
 on with the tests that need no ranks (conftest puts the modules that read pooled jobs last, in the
-order the spawns they read end). The ranks run at a lower priority (``NICE``) than the main
-process. A test that asks for a spawn the threads have not reached yet moves it to the front of
+order the spawns they read end). The ranks of the default lanes run at a lower priority (``NICE``)
+than the main process; those of the named lanes, the longest chains of work that cannot spread
+over both cores, at its priority. A test that asks for a spawn the threads have not reached yet moves it to the front of
 their queue and waits for it.
 Each rank restores the environment the session had when ``start()`` ran, so a test that sets a
 variable (monkeypatch) while a world starts does not leak it into the ranks.
@@ -194,9 +195,9 @@ def _frames() -> int:
     return dynamo.counters["frames"]["total"] if dynamo else 0
 
 
-def _run_all(rank, world, jobs, env):
+def _run_all(rank, world, jobs, env, nice):
     _restore_environment(env)
-    os.nice(NICE)
+    os.nice(nice)
     started, out = _cpu_seconds(), []
     for fn, args in jobs:
         start, cpu, frames = time.perf_counter(), _cpu_seconds(), _frames()
@@ -248,7 +249,7 @@ def _run_locked(key: tuple[int, str]) -> list:
                 for j in todo]
         began, res = time.perf_counter(), None
         try:
-            res = spawn(_run_all, world, work, dict(_ENV), timeout=min(3600.0, sum(j.timeout for j in todo)),
+            res = spawn(_run_all, world, work, dict(_ENV), 0 if key[1] else NICE, timeout=min(3600.0, sum(j.timeout for j in todo)),
                         start_method="forkserver")
         except Exception as e:
             _FAILED[key] = f"{type(e).__name__}: {e}"
