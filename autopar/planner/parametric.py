@@ -10,9 +10,11 @@ and no line of a choice lies below f, so x's line is f on all of [λ1, λ2]: x i
 between, and any other choice optimal inside has the very same line (the same a and b). A λ between
 two at which the solver proved one choice optimal gets that choice without a solve.
 
-A λ beyond every λ solved so far gets a solve a factor ``STRETCH`` further out first: when it returns
-the choice of the nearest λ solved, λ lies between the two; otherwise λ is solved itself. The search's
-λ fall as its ZeRO stages shard more, so one solve stretched below covers the ones that follow.
+A λ below every λ solved so far gets a solve at λ / ``STRETCH`` first: when it returns the choice of
+the least λ solved, λ lies between the two; otherwise λ is solved itself. The search's λ fall as its
+ZeRO stages shard more and its dp grows, so one solve stretched below covers the ones that follow; a
+λ above is solved itself (a choice proven at a far larger price, where sharding a parameter pays
+more, is more often another).
 """
 from __future__ import annotations
 
@@ -35,15 +37,15 @@ def choice_at(proven: dict, lam: float, solve: Callable) -> tuple:
     above = min((k for k in proven if k >= lam and proven[k] is not None), default=None)
     if below is not None and above is not None and proven[below] == proven[above]:
         return proven[below]
-    if lam > 0 and (below is None) != (above is None):
-        near, far = (below, lam * STRETCH) if above is None else (above, lam / STRETCH)
+    if lam > 0 and below is None and above is not None:
+        far = lam / STRETCH
         if far not in proven:
             try:
                 choice, optimal = solve(far)
             except (ValueError, RuntimeError):
                 choice, optimal = None, False
             proven[far] = choice if optimal else None
-            if proven[far] is not None and proven[far] == proven[near]:
+            if proven[far] is not None and proven[far] == proven[above]:
                 return proven[far]
     choice, optimal = solve(lam)
     proven[lam] = choice if optimal else None
