@@ -34,7 +34,8 @@ from autopar.cost_model.step import (dp_sync_bytes, dp_sync_collectives, dp_sync
 from autopar.cost_model.strategy import OP_OVERHEAD, move_time, param_memory, strategy_time, tp_collectives
 from autopar.errors import PlanError
 from autopar.passes.units import find_blocks, zero_units
-from autopar.planner.ilp import solve_strategies
+from autopar.planner.ilp import evaluate, solve_strategies
+from autopar.planner.parametric import choice_at
 from autopar.passes.capture import Captured, graph_cached
 from autopar.passes.precision import working_copy_ratio
 from autopar.passes.reshard import regather_candidate
@@ -137,30 +138,42 @@ def solve(cap: Captured, options: dict[Node, list[Strategy]], tp: int, dev, *,
 
     The problem's tables but the parameters' byte price are the same for every ZeRO stage and
     mesh of one tp (``_problem``), and an ILP the same as one solved before has its answer
-    (``cost_model.memo``): the mesh search asks both many times."""
+    (``cost_model.memo``): the mesh search asks both many times. A byte price between two at which
+    the solver proved one choice optimal gets that choice without a solve (``autopar.planner.parametric``)."""
     g = cap.gm.graph
     problem = cached(g, ("ilp_problem", tp, inter_node), lambda: _problem(cap, options, tp, dev, inter_node),
                      options, dev)
     # the ILP's structure and constraints, built once for the problem's parameter byte prices (``solve_strategies``)
     reused = cached(g, ("ilp_reuse", tp, inter_node), dict, options, dev)
+    budget = (memory_budget, param_state_bytes if memory_budget is not None else None)
+    # the λ (parameter byte prices) of this feasible set each choice was proven optimal at (``parametric``)
+    proven = cached(g, ("ilp_proven", tp, inter_node, *budget), dict, options, dev)
 
     def run():
         nodes, ids, rep, mult, base, param_bytes, edges, shared = problem
-        # an op's launch overhead is the same under every strategy: in the objective, so that it is the
-        # step time the plan is priced at, not in the choice
-        node_costs = [mult[n] * np.array([b + param_byte_seconds * m for b, m in zip(base[n], param_bytes[n])])
-                      for n in nodes]
+
+        def costs(byte_seconds: float) -> list:
+            # an op's launch overhead is the same under every strategy: in the objective, so that it is the
+            # step time the plan is priced at, not in the choice
+            return [mult[n] * np.array([b + byte_seconds * m for b, m in zip(base[n], param_bytes[n])])
+                    for n in nodes]
+
         memory = None
         if memory_budget is not None:
             memory = [mult[n] * np.array([m * param_state_bytes for m in param_bytes[n]]) for n in nodes]
-        t0 = time.perf_counter()
-        sol = solve_strategies(node_costs, edges, node_memory=memory, memory_budget=memory_budget, shared=shared,
-                               reuse=reused)
-        seconds = time.perf_counter() - t0
-        return {n: options[n][sol.choice[ids[rep[n]]]] for n in options}, seconds, sol.objective
 
-    key = ("ilp", tp, inter_node, memory_budget, param_state_bytes if memory_budget is not None else None,
-           param_byte_seconds)
+        def solved(byte_seconds: float) -> tuple:
+            sol = solve_strategies(costs(byte_seconds), edges, node_memory=memory, memory_budget=memory_budget,
+                                   shared=shared, reuse=reused)
+            return sol.choice, sol.status == "optimal"
+
+        t0 = time.perf_counter()
+        choice = choice_at(proven, param_byte_seconds, solved)
+        seconds = time.perf_counter() - t0
+        objective = evaluate(costs(param_byte_seconds), edges, choice, shared=shared)[0]
+        return {n: options[n][choice[ids[rep[n]]]] for n in options}, seconds, objective
+
+    key = ("ilp", tp, inter_node, *budget, param_byte_seconds)
     strategies, seconds, objective = cached(g, key, run, options, dev)
     return Assignment(dict(strategies), options, seconds, objective)
 
