@@ -16,9 +16,9 @@ beside the world's other jobs, in a second spawn, the two use both cores.
 Once collection is over, ``start()`` (called by conftest) runs every registered spawn in three
 background threads, the named lanes first, then the heaviest worlds, while the main process goes
 on with the tests that need no ranks (conftest puts the modules that read pooled jobs last, in the
-order the spawns they read end). The ranks of the default lanes run at a lower priority (``NICE``)
-than the main process; those of the named lanes, the longest chains of work that cannot spread
-over both cores, at its priority. A test that asks for a spawn the threads have not reached yet moves it to the front of
+order the spawns they read end). The ranks run at a lower priority than the main process, whose
+tests are the longest chain of work that cannot spread over both cores; those of the named lanes,
+the next longest, above the other ranks (``NICE``). A test that asks for a spawn the threads have not reached yet moves it to the front of
 their queue and waits for it.
 Each rank restores the environment the session had when ``start()`` ran, so a test that sets a
 variable (monkeypatch) while a world starts does not leak it into the ranks.
@@ -55,8 +55,9 @@ _BACKGROUND: list[threading.Thread] = []
 # compile; a world of one rank).
 _THREADS = 3
 # The ranks yield the core to this process's own tests: those run one after another, so a core they
-# wait for is lost at the end of the session, while the ranks of the spawns fill whatever is left.
-NICE = 10
+# wait for is lost at the end of the session, while the ranks of the spawns fill whatever is left;
+# the named lanes' ranks (a default lane's, a named lane's) come before the other spawns'.
+NICE = (10, 5)
 _PENDING: list[tuple[int, str]] = []   # the spawns the background threads have yet to run, next first
 _DONE: dict[tuple[int, str], threading.Event] = {}   # set once a background thread has run a spawn
 # (key, start, end, CPU seconds of its ranks (their children's included), of their start-up) of each spawn
@@ -249,7 +250,7 @@ def _run_locked(key: tuple[int, str]) -> list:
                 for j in todo]
         began, res = time.perf_counter(), None
         try:
-            res = spawn(_run_all, world, work, dict(_ENV), 0 if key[1] else NICE, timeout=min(3600.0, sum(j.timeout for j in todo)),
+            res = spawn(_run_all, world, work, dict(_ENV), NICE[bool(key[1])], timeout=min(3600.0, sum(j.timeout for j in todo)),
                         start_method="forkserver")
         except Exception as e:
             _FAILED[key] = f"{type(e).__name__}: {e}"
