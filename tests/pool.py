@@ -3,7 +3,8 @@
 A test module registers its rank work at import time, ``JOB = pool.job(world, fn, *args)``; the
 pool spawns that world once and runs there every job registered for it, in registration order, in
 the same ranks; a test reads a job's return values with ``JOB.result()``. Process start-up and the
-first collective of each process are then paid once per world size instead of once per module. The ranks are forked from multiprocessing's fork server
+first collective of each process are then paid once per world size instead of once per module.
+The ranks are forked from multiprocessing's fork server
 (``spawn(..., start_method="forkserver")``), which imports torch, autopar and the test modules that
 registered jobs once for the session: a rank starts in a fraction of a second instead of the
 seconds its imports took.
@@ -18,8 +19,8 @@ background threads, the named lanes first, then the heaviest worlds, while the m
 on with the tests that need no ranks (conftest puts the modules that read pooled jobs last, in the
 order the spawns they read end). The ranks run at a lower priority than the main process, whose
 tests are the longest chain of work that cannot spread over both cores; those of the named lanes,
-the next longest, above the other ranks (``NICE``). A test that asks for a spawn the threads have not reached yet moves it to the front of
-their queue and waits for it.
+the next longest, above the other ranks (``NICE``). A test that asks for a spawn the threads have
+not reached yet moves it to the front of their queue and waits for it.
 Each rank restores the environment the session had when ``start()`` ran, so a test that sets a
 variable (monkeypatch) while a world starts does not leak it into the ranks.
 
@@ -55,8 +56,8 @@ _BACKGROUND: list[threading.Thread] = []
 # compile; a world of one rank).
 _THREADS = 3
 # The ranks yield the core to this process's own tests: those run one after another, so a core they
-# wait for is lost at the end of the session, while the ranks of the spawns fill whatever is left;
-# the named lanes' ranks (a default lane's, a named lane's) come before the other spawns'.
+# wait for is lost at the end of the session, while the ranks of the spawns fill whatever is left.
+# NICE[0] for the ranks of a default lane, NICE[1] for those of a named lane: before the others.
 NICE = (10, 5)
 _PENDING: list[tuple[int, str]] = []   # the spawns the background threads have yet to run, next first
 _DONE: dict[tuple[int, str], threading.Event] = {}   # set once a background thread has run a spawn
