@@ -1,6 +1,7 @@
 """Puts tests/ on sys.path for every test directory, so that tests/passes and tests/kernels can import
 the shared helpers (parity, pool) however pytest is started; runs the pooled rank jobs in the
-background while the tests that need no ranks run (``pool.start``)."""
+background while the tests that need no ranks run (``pool.start``), and beside them the commands test
+modules registered with ``cli.background``."""
 import os
 
 import pytest
@@ -69,10 +70,12 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_collection_finish(session):
+    import cli
     import pool
 
     if session.items and not session.config.option.collectonly:
         pool.start()
+        cli.start_background({getattr(getattr(item, "module", None), "__name__", "") for item in session.items})
 
 
 def pytest_unconfigure(config):

@@ -12,7 +12,9 @@ seconds its imports took.
 A world's jobs may be split into lanes (``lane=``), each lane a spawn of its own: the jobs that
 compile through Inductor take the lane "inductor". Their ranks take turns (``compile_once``: one
 compiles, its peers wait to load the cache), so a spawn of them alone keeps about one core busy;
-beside the world's other jobs, in a second spawn, the two use both cores.
+beside the world's other jobs, in a second spawn, the two use both cores. The 2-rank world's other
+compiling jobs take the lane "compiled" (``compiled``), so that its default lane, the last spawn
+to end before, is about half as long.
 
 Once collection is over, ``start()`` (called by conftest) runs every registered spawn in three
 background threads, the named lanes first, then the heaviest worlds, while the main process goes
@@ -98,6 +100,13 @@ def job(world: int, fn, *args, timeout: float = 600.0, workdir: bool = False, la
     the spawn of its ``lane``. ``lazy``, a callable, gives more arguments when the pool starts: the
     ranks import the test modules again, so a module's import should not compute them."""
     return Job(world, fn, args, timeout, workdir, lazy, sys._getframe(1).f_globals.get("__name__", ""), lane)
+
+
+def compiled(world: int) -> str:
+    """The lane of a job that compiles (aot_eager or Inductor) in ``world`` ranks: the 2-rank world holds
+    most of the pool's work, and its compiling jobs, about half of it, run beside the others in a spawn
+    of their own ("compiled"); in the other worlds they stay in the default lane."""
+    return "compiled" if world == 2 else ""
 
 
 def per_world(fn, cases: list, *, timeout: float) -> tuple[dict[int, list], dict[int, "Job"]]:

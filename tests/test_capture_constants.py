@@ -122,7 +122,7 @@ def _rank_all(rank, world, cases):
     return out
 
 
-JOBS = {w: pool.job(w, _rank_all, cases) for w, cases in CASES.items()}
+JOBS = {w: pool.job(w, _rank_all, cases, lane=pool.compiled(w)) for w, cases in CASES.items()}
 
 
 @pytest.fixture(scope="module")

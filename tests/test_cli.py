@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
-from cli import autopar as _autopar, main as _in_process
+from cli import background_autopar, main as _in_process
 
 MYMODEL = ("from autopar.examples.gpt import GPT, GPTConfig\n"
            "def make():\n"
@@ -21,56 +19,53 @@ BAD_MESHES = {"1,1,5": ["tp=5", "12 attention heads", "valid tp", "1, 2, 3, 4, 6
 
 
 def _commands(d):
-    """Every command of this file, by name: (arguments, timeout, working directory); ``d`` is a directory."""
+    """The commands of this file run in this process, by name: their arguments; ``d`` is a directory."""
     return {
-        "gpt2": (["plan", "gpt2", "--mesh", "1,1,4", "--batch", "8", "--seq", "1024", "--out", str(d / "gpt2.json")],
-                 120, None),
-        "precision": (["plan", "gpt2", "--mesh", "1,1,2", "--batch", "8", "--seq", "128", "--precision", "bf16",
-                       "--out", str(d / "bf16.json")], 120, None),
-        **{f"bad-{mesh}": (["plan", "gpt2", "--mesh", mesh, "--batch", "8", "--seq", "128"], 120, None)
+        "precision": ["plan", "gpt2", "--mesh", "1,1,2", "--batch", "8", "--seq", "128", "--precision", "bf16",
+                      "--out", str(d / "bf16.json")],
+        **{f"bad-{mesh}": ["plan", "gpt2", "--mesh", mesh, "--batch", "8", "--seq", "128"]
            for mesh in BAD_MESHES},
-        "demo": (["demo", "--mesh", "1,1,2", "--steps", "3", "--out", "plan.json"], 240, d / "demo"),
-        "html": (["plan", f"{d / 'mymodel.py'}:make", "--mesh", "1,1,4", "--batch", "8", "--html", str(d / "plan.html")],
-                 120, None),
-        "missing": (["plan", f"{d / 'mymodel.py'}:missing", "--mesh", "1,1,4"], 120, None),
-        "cpu": (["plan", f"{d / 'cpumodel.py'}:make", "--mesh", "1,1,2", "--batch", "4", "--out", str(d / "cpu.json")],
-                120, None),
-        "ranking": (["plan", "gpt2", "--mesh", "auto", "--gpus", "4", "--batch", "8", "--seq", "128", "--zero", "3",
-                     "--recompute", "auto", "--memory-budget", "80GiB"], 120, None),
-        "no-fit": (["plan", "gpt2", "--mesh", "2,1,1", "--batch", "8", "--seq", "128", "--zero", "auto",
-                    "--recompute", "auto", "--memory-budget", "1MiB"], 120, None),
+        "html": ["plan", f"{d / 'mymodel.py'}:make", "--mesh", "1,1,4", "--batch", "8", "--html", str(d / "plan.html")],
+        "missing": ["plan", f"{d / 'mymodel.py'}:missing", "--mesh", "1,1,4"],
+        "cpu": ["plan", f"{d / 'cpumodel.py'}:make", "--mesh", "1,1,2", "--batch", "4", "--out", str(d / "cpu.json")],
+        "ranking": ["plan", "gpt2", "--mesh", "auto", "--gpus", "4", "--batch", "8", "--seq", "128", "--zero", "3",
+                    "--recompute", "auto", "--memory-budget", "80GiB"],
+        "no-fit": ["plan", "gpt2", "--mesh", "2,1,1", "--batch", "8", "--seq", "128", "--zero", "auto",
+                   "--recompute", "auto", "--memory-budget", "1MiB"],
     }
 
 
-# run as a user runs them, each its own Python start-up; the others through autopar.__main__.main in
-# this process (the same code, without a new interpreter's seconds of imports)
-SUBPROCESS = ("demo", "gpt2", "bad-1,1,5")
+# run as a user runs them, each its own Python start-up, beside the session's tests (tests/cli.py); the
+# others through autopar.__main__.main in this process (the same code, without a new interpreter's
+# seconds of imports)
+SUBPROCESS = {
+    "demo": background_autopar("demo", "--mesh", "1,1,2", "--steps", "3", "--out", "plan.json", timeout=600),
+    "gpt2": background_autopar("plan", "gpt2", "--mesh", "1,1,4", "--batch", "8", "--seq", "1024",
+                               "--out", "gpt2.json"),
+    "bad-1,1,5": background_autopar("plan", "gpt2", "--mesh", "1,1,5", "--batch", "8", "--seq", "128"),
+}
 
 
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory):
-    """The subprocesses start with the first test, in the background (mostly imports on one core);
-    ``cli(name)`` waits for one, or runs one in this process; ``cli.dir`` holds their files."""
+    """``cli(name)`` waits for a command of ``SUBPROCESS`` or runs one in this process; ``cli.dir``
+    holds the files of those run here, ``cli.where(name)`` the directory a subprocess ran in."""
     d = tmp_path_factory.mktemp("cli")
-    (d / "demo").mkdir()
     (d / "mymodel.py").write_text(MYMODEL)
     (d / "cpumodel.py").write_text(CPUMODEL)
     commands = _commands(d)
-    workers = ThreadPoolExecutor(2)
-    running = {name: workers.submit(_autopar, *args, timeout=timeout, cwd=cwd)
-               for name, (args, timeout, cwd) in commands.items() if name in SUBPROCESS}
 
     def result(name):
-        return running[name].result() if name in running else _in_process(*commands[name][0])
+        return SUBPROCESS[name].result()[0] if name in SUBPROCESS else _in_process(*commands[name])
 
     result.dir = d
-    yield result
-    workers.shutdown(cancel_futures=True)
+    result.where = lambda name: SUBPROCESS[name].result()[2]
+    return result
 
 
 def test_plan_gpt2_prints_placements_and_step_time(cli):
-    out = cli.dir / "gpt2.json"
     r = cli("gpt2")
+    out = cli.where("gpt2") / "gpt2.json"
     assert r.returncode == 0, r.stderr
     assert "autopar plan (auto) for mesh dp=1 pp=1 tp=4 on h100" in r.stdout
     assert "S(0)" in r.stdout                                    # a sharded parameter
@@ -116,7 +111,7 @@ def test_demo_trains_and_prints_plan_and_losses(cli):
     first, last = float(m.group(1)), float(m.group(2))
     assert first == float(steps[0][1]) and last == float(steps[-1][1])
     assert last < first                                   # three AdamW steps on a fixed batch
-    assert (cli.dir / "demo" / "plan.json").exists()
+    assert (cli.where("demo") / "plan.json").exists()
 
 
 def test_plan_a_user_module_with_html(cli):

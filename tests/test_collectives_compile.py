@@ -54,7 +54,7 @@ def _grads(rank: int, world: int):
     return out
 
 
-GRADS = pool.job(2, _grads, timeout=300)
+GRADS = pool.job(2, _grads, timeout=300, lane=pool.compiled(2))
 
 
 def test_wrappers_keep_their_gradients_under_compile():

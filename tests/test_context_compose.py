@@ -37,7 +37,7 @@ def _all(rank, world):
     return [_one(knobs) for _, knobs, _ in CASES]
 
 
-JOB = pool.job(2, _all, timeout=600)
+JOB = pool.job(2, _all, timeout=600, lane=pool.compiled(2))
 
 
 @pytest.fixture(scope="module")

@@ -188,7 +188,7 @@ def _autopar_fp8(rank, world):
     return out
 
 
-AUTOPAR_FP8 = pool.job(2, _autopar_fp8)
+AUTOPAR_FP8 = pool.job(2, _autopar_fp8, lane=pool.compiled(2))
 
 
 def test_autopar_tp2_graph_trains_in_fp8():

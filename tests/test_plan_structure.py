@@ -80,7 +80,7 @@ def _rank_graphs(rank, world, sp, budget):
     return graphs, planned, per_layer
 
 
-GRAPHS = {(sp, budget): pool.job(2, _rank_graphs, sp, budget, timeout=300)
+GRAPHS = {(sp, budget): pool.job(2, _rank_graphs, sp, budget, timeout=300, lane=pool.compiled(2))
           for sp, budget in [(False, None), (True, None), (True, "0.3MiB")]}
 
 

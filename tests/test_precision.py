@@ -147,7 +147,7 @@ def ref():
     return reference(steps=STEPS)
 
 
-JOBS = {w: pool.job(w, _rank_all, timeout=900) for w in RUNS}
+JOBS = {w: pool.job(w, _rank_all, timeout=900, lane=pool.compiled(w)) for w in RUNS}
 
 
 @pytest.fixture(scope="module")

@@ -108,7 +108,7 @@ def _compiled_saved(rank, world, mode):
     return saved["bytes"]
 
 
-COMPILED_SAVED = [pool.job(2, _compiled_saved, m, timeout=300) for m in MODES]
+COMPILED_SAVED = [pool.job(2, _compiled_saved, m, timeout=300, lane=pool.compiled(2)) for m in MODES]
 
 
 def test_compiled_backward_recomputes():

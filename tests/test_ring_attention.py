@@ -101,7 +101,7 @@ def _compiled_gpt(rank, world):
     return pm.train_step(*inputs).item(), pm.full_grads()
 
 
-COMPILED = pool.job(2, _compiled_gpt, timeout=300)
+COMPILED = pool.job(2, _compiled_gpt, timeout=300, lane=pool.compiled(2))
 
 
 def test_ring_compiles():

@@ -207,7 +207,7 @@ def _fuse_sharded_gpt(rank, world, sequence_parallel):
     return unfused, [_run_graph(gm, params, inputs), compiled], vocab_parallel_linear_cross_entropy in targets
 
 
-VOCAB_PARALLEL = pool.job(2, _vocab_parallel_rank, 37, timeout=300)
+VOCAB_PARALLEL = pool.job(2, _vocab_parallel_rank, 37, timeout=300, lane=pool.compiled(2))
 
 
 @pytest.fixture(scope="module")
