@@ -71,9 +71,12 @@ SAVES = {
 }
 
 
+_VIEWS_OR_ITEM = VIEW_OPS | {operator.getitem}
+
+
 def base_of(node: Node) -> Node:
     """The node whose storage ``node`` views (a dropout that drops nothing is its input)."""
-    while node.op == "call_function" and (node.target in VIEW_OPS | {operator.getitem}
+    while node.op == "call_function" and (node.target in _VIEWS_OR_ITEM
                                           or node.target is aten.dropout.default and not _drops(node)):
         node = node.args[0]
     return node
