@@ -15,6 +15,7 @@ are asked as they are: they are one per length already.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,8 @@ from autopar.passes.capture import graph_cached
 from autopar.passes.units import find_blocks
 
 from .memo import strategies_of
+
+_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # fx Graph -> {op of block 2 on: its twin}
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,18 @@ def block_shift(cap) -> BlockShift | None:
         return None
     nodes = tuple(n for b in blocks for n in b)
     calls = tuple(n for n in nodes if n.op == "call_function")
-    return BlockShift(nodes, calls, len(blocks[0]), len(calls) // len(blocks), {n: i for i, n in enumerate(calls)})
+    ops = len(calls) // len(blocks)
+    _TWINS[calls[0].graph] = {n: calls[ops + i % ops] for i, n in enumerate(calls) if i >= 2 * ops}
+    return BlockShift(nodes, calls, len(blocks[0]), ops, {n: i for i, n in enumerate(calls)})
+
+
+def twin(node: Node) -> Node:
+    """The op of block 1 that ``node``, an op of block 2 on, is shifted from, once ``block_shift`` has
+    laid out its capture's blocks; else ``node``. The twins read the same op on arguments of the same
+    shapes and dtypes (``block_shift``), so what is read off one op alone, its time under a strategy,
+    is its twin's: priced once for all the blocks."""
+    twins = _TWINS.get(node.graph)
+    return node if twins is None else twins.get(node, node)
 
 
 def shifted(cap, strategies: dict, nodes: tuple, regions: tuple = ()):

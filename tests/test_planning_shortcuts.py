@@ -11,13 +11,17 @@ import torch
 from torch.fx import GraphModule
 
 import autopar
-from autopar.cost_model.memory import local_param_bytes
+from autopar.cost_model import get_device
+from autopar.cost_model.memory import VIEW_OPS, local_param_bytes
+from autopar.cost_model.repeats import block_shift, twin
+from autopar.cost_model.strategy import _strategy_time, strategy_time
 from autopar.examples.gpt import build, example_inputs
 from autopar.passes.capture import capture_pass
 from autopar.passes.precision import retyped
 from autopar.passes.rules import Strategy
 from autopar.passes.units import stage_of_nodes
 from autopar.planner.decide import _stage_nodes, rebuild
+from autopar.planner.sharding import enumerate_strategies
 from autopar.plans import dp_placements
 from autopar.mesh import Mesh
 from autopar.placement import R
@@ -92,3 +96,22 @@ def test_planning_leaves_the_garbage_collector_as_it_found_it():
             assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_ops_of_repeated_blocks_are_priced_as_their_twins_in_block_one():
+    """An op of a repeated block is priced once for all its twins, as block 1's op: its time under every
+    strategy it may take, with and without its collectives, is the one worked out on the op itself."""
+    model, x = _model(n_layer=4)
+    cap = retyped(capture_pass(model, x, require_loss=True), "bf16")
+    shift = block_shift(cap)
+    ops = [n for n in cap.gm.graph.nodes if n.op == "call_function" and n.target not in VIEW_OPS]
+    twinned = [n for n in ops if twin(n) is not n]
+    assert twinned and twinned == [n for n in ops if shift.call_at.get(n, -1) >= 2 * shift.ops]   # blocks 2 and 3
+    dev = get_device("h100")
+    for tp in (1, 2):
+        options = enumerate_strategies(cap, tp, True)
+        for n in reversed(ops):   # the last blocks first: their twins are priced through them
+            for s in options[n]:
+                for with_comm in (False, True):
+                    assert strategy_time(n, s, tp, dev, False, with_comm) == \
+                        _strategy_time(n, s, tp, dev, False, with_comm)
