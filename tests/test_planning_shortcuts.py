@@ -12,7 +12,8 @@ from torch.fx import GraphModule
 
 import autopar
 from autopar.cost_model import get_device
-from autopar.cost_model.memory import VIEW_OPS, local_param_bytes
+from autopar.cost_model import memo
+from autopar.cost_model.memory import VIEW_OPS, compiled_kept, excess_parts, local_param_bytes
 from autopar.cost_model.repeats import block_shift, twin
 from autopar.cost_model.strategy import _strategy_time, strategy_time
 from autopar.examples.gpt import build, example_inputs
@@ -20,7 +21,8 @@ from autopar.passes.capture import capture_pass
 from autopar.passes.precision import retyped
 from autopar.passes.rules import Strategy
 from autopar.passes.units import stage_of_nodes
-from autopar.planner.decide import _stage_nodes, rebuild
+from autopar.planner.decide import _stage_nodes, decide, rebuild
+from autopar.planner.recompute import regions_for
 from autopar.planner.sharding import enumerate_strategies
 from autopar.plans import dp_placements
 from autopar.mesh import Mesh
@@ -115,3 +117,23 @@ def test_ops_of_repeated_blocks_are_priced_as_their_twins_in_block_one():
                 for with_comm in (False, True):
                     assert strategy_time(n, s, tp, dev, False, with_comm) == \
                         _strategy_time(n, s, tp, dev, False, with_comm)
+
+
+def test_backward_walk_of_a_stage_is_the_one_worked_out_afresh():
+    """What a stage's backward walk reads of its ops but not of what they keep (positions, transients,
+    16-bit weight gradients, the parameters' users) is kept per stage and strategies: the walk's parts
+    under other recompute regions or other strategies are those worked out with nothing kept."""
+    model, x = _model(n_layer=4)
+    cap, strategies, _ = decide(model, (1, 1, 2), x, device="h100", precision="bf16")
+    nodes = tuple(n for n in cap.gm.graph.nodes if n.op == "call_function")
+    params = tuple(cap.params.values())
+    replicated = {n: options[0] for n, options in enumerate_strategies(cap, 2, True).items()}
+    asked = []
+    for chosen in (strategies, replicated):
+        for mode in ("none", "selective", "full"):
+            kept = compiled_kept(nodes, chosen, 2, regions_for(cap, mode))
+            asked.append((chosen, kept, excess_parts(nodes, kept, chosen, 2, params)))
+    assert asked[0][2] != asked[3][2]   # the strategies change the walk
+    for chosen, kept, parts in asked:
+        memo._CACHE.clear()
+        assert excess_parts(nodes, kept, chosen, 2, params) == parts
