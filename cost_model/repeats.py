@@ -15,7 +15,6 @@ are asked as they are: they are one per length already.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +23,7 @@ from torch.fx import Node
 from autopar.passes.capture import graph_cached
 from autopar.passes.units import find_blocks
 
-from .memo import strategies_of
-
-_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # fx Graph -> {op of block 2 on: its twin}
+from .memo import cached, strategies_of
 
 
 @dataclass(frozen=True)
@@ -99,7 +96,7 @@ def block_shift(cap) -> BlockShift | None:
     nodes = tuple(n for b in blocks for n in b)
     calls = tuple(n for n in nodes if n.op == "call_function")
     ops = len(calls) // len(blocks)
-    _TWINS[calls[0].graph] = {n: calls[ops + i % ops] for i, n in enumerate(calls) if i >= 2 * ops}
+    _twins(calls[0].graph).update((n, calls[ops + i % ops]) for i, n in enumerate(calls) if i >= 2 * ops)
     return BlockShift(nodes, calls, len(blocks[0]), ops, {n: i for i, n in enumerate(calls)})
 
 
@@ -108,8 +105,12 @@ def twin(node: Node) -> Node:
     laid out its capture's blocks; else ``node``. The twins read the same op on arguments of the same
     shapes and dtypes (``block_shift``), so what is read off one op alone, its time under a strategy,
     is its twin's: priced once for all the blocks."""
-    twins = _TWINS.get(node.graph)
-    return node if twins is None else twins.get(node, node)
+    return _twins(node.graph).get(node, node)
+
+
+def _twins(graph) -> dict:
+    """{op of block 2 on: its twin in block 1} of ``graph``'s capture, empty until ``block_shift`` fills it."""
+    return cached(graph, ("twins",), dict)
 
 
 def shifted(cap, strategies: dict, nodes: tuple, regions: tuple = ()):

@@ -137,3 +137,16 @@ def test_backward_walk_of_a_stage_is_the_one_worked_out_afresh():
     for chosen, kept, parts in asked:
         memo._CACHE.clear()
         assert excess_parts(nodes, kept, chosen, 2, params) == parts
+
+
+def test_prices_kept_per_graph_go_with_their_graph():
+    """The memo finds a graph's prices by its id, and drops them as the graph is freed: a graph made
+    later, which may take the same id, asks afresh."""
+    graph = torch.fx.Graph()
+    assert memo.cached(graph, ("answer",), lambda: 1) == 1
+    assert memo.cached(graph, ("answer",), lambda: 2) == 1
+    key = id(graph)
+    del graph
+    gc.collect()
+    assert key not in memo._CACHE
+    assert memo.cached(torch.fx.Graph(), ("answer",), lambda: 3) == 3
