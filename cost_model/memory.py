@@ -313,6 +313,10 @@ def _read_nodes(nodes: tuple, recompute: tuple) -> tuple:
     """The nodes whose strategies ``compiled_kept`` of ``nodes`` reads: theirs, their inputs' and the
     regions'."""
     def compute():
+        members = set(nodes)
+        if recompute and all(n in members for region in recompute for n in region):
+            # regions among the nodes add none, nor their order: the nodes' own, for every choice of regions
+            return _read_nodes(nodes, ())
         out = dict.fromkeys(nodes)
         for region in recompute:
             out.update(dict.fromkeys(region))

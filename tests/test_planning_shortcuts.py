@@ -13,7 +13,7 @@ from torch.fx import GraphModule
 import autopar
 from autopar.cost_model import get_device
 from autopar.cost_model import memo
-from autopar.cost_model.memory import VIEW_OPS, compiled_kept, excess_parts, local_param_bytes
+from autopar.cost_model.memory import VIEW_OPS, _read_nodes, compiled_kept, excess_parts, local_param_bytes
 from autopar.cost_model.repeats import block_shift, twin
 from autopar.cost_model.strategy import _strategy_time, strategy_time
 from autopar.examples.gpt import build, example_inputs
@@ -150,3 +150,21 @@ def test_prices_kept_per_graph_go_with_their_graph():
     gc.collect()
     assert key not in memo._CACHE
     assert memo.cached(torch.fx.Graph(), ("answer",), lambda: 3) == 3
+
+
+def test_nodes_read_under_recompute_regions_are_those_worked_out_in_full():
+    """The nodes whose strategies a stage's kept bytes read, under regions within the stage (the
+    stage's own, worked out once) or reaching outside it, are those collected region by region."""
+    model, x = _model(n_layer=4)
+    cap = capture_pass(model, x, require_loss=True)
+    calls = tuple(n for n in cap.gm.graph.nodes if n.op == "call_function")
+    stage = calls[len(calls) // 3:]
+    for mode in ("selective", "full"):
+        regions = tuple(map(tuple, regions_for(cap, mode)))
+        for nodes, recompute in ((stage, tuple(r for r in regions if r[0] in stage)), (stage, regions)):
+            full = dict.fromkeys(nodes)
+            for region in recompute:
+                full.update(dict.fromkeys(region))
+            for n in list(full):
+                full.update(dict.fromkeys(n.all_input_nodes))
+            assert _read_nodes(nodes, recompute) == tuple(full)
