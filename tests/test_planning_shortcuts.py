@@ -168,3 +168,34 @@ def test_nodes_read_under_recompute_regions_are_those_worked_out_in_full():
             for n in list(full):
                 full.update(dict.fromkeys(n.all_input_nodes))
             assert _read_nodes(nodes, recompute) == tuple(full)
+
+
+def test_recompute_modes_the_budget_decides_alone_are_the_solvers():
+    """Where the memory budget leaves one choice of recompute modes or none, the answer given without
+    the solver is the solver's: on budgets at, just inside and just outside the least memory and the
+    least memory plus one block's smallest step up, and between."""
+    import random
+
+    from autopar.planner.ilp import InfeasibleError, solve_strategies
+    from autopar.planner.recompute import _only_fit, block_modes
+
+    rng = random.Random(0)
+    decided = 0
+    for _ in range(60):
+        n = rng.randint(1, 6)
+        rows = [(rng.uniform(5, 10) * 2**30, rng.uniform(2, 5) * 2**30, rng.uniform(0.5, 2) * 2**30) for _ in range(n)]
+        if rng.random() < 0.5:
+            rows = [rows[0]] * n   # a stage of identical blocks
+        costs = tuple((0.0, rng.uniform(0.1, 1), rng.uniform(1, 3)) for _ in range(n))
+        mems = tuple(rows)
+        floor = sum(min(r) for r in mems)
+        step = min(m - min(r) for r in mems for m in r if m != min(r))
+        for budget in (floor - 2**20, floor - 1, floor, floor + 1, floor + step / 2, floor + step - 1,
+                       floor + step, floor + step + 2**20, floor + 3 * step):
+            try:
+                solved = tuple(solve_strategies(list(costs), [], node_memory=list(mems), memory_budget=budget).choice)
+            except InfeasibleError:
+                solved = None
+            decided += _only_fit(mems, budget) is not False
+            assert block_modes(costs, mems, budget) == solved
+    assert decided > 100
