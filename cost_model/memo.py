@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import weakref
 
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # fx Graph -> {key: (held, answer)}
+# id(fx Graph) -> {key: (held, answer)}, dropped as its graph is freed (before its id can be another's):
+# looked up by id at C speed, as the planner asks hundreds of thousands of times
+_CACHE: dict[int, dict] = {}
 
 
 def cached(graph, key: tuple, compute, *held):
     """``compute()``, once per ``graph``, ``key`` (hashable) and the objects in ``held`` (by identity)."""
-    per_graph = _CACHE.get(graph)
+    per_graph = _CACHE.get(id(graph))
     if per_graph is None:
-        per_graph = _CACHE[graph] = {}
+        per_graph = _CACHE[id(graph)] = {}
+        weakref.finalize(graph, _CACHE.pop, id(graph), None)
     full = (key, tuple(map(id, held)))
     hit = per_graph.get(full)
     if hit is not None:

@@ -71,9 +71,12 @@ SAVES = {
 }
 
 
+_VIEWS_OR_ITEM = VIEW_OPS | {operator.getitem}
+
+
 def base_of(node: Node) -> Node:
     """The node whose storage ``node`` views (a dropout that drops nothing is its input)."""
-    while node.op == "call_function" and (node.target in VIEW_OPS | {operator.getitem}
+    while node.op == "call_function" and (node.target in _VIEWS_OR_ITEM
                                           or node.target is aten.dropout.default and not _drops(node)):
         node = node.args[0]
     return node
@@ -310,6 +313,10 @@ def _read_nodes(nodes: tuple, recompute: tuple) -> tuple:
     """The nodes whose strategies ``compiled_kept`` of ``nodes`` reads: theirs, their inputs' and the
     regions'."""
     def compute():
+        members = set(nodes)
+        if recompute and all(n in members for region in recompute for n in region):
+            # regions among the nodes add none, nor their order: the nodes' own, for every choice of regions
+            return _read_nodes(nodes, ())
         out = dict.fromkeys(nodes)
         for region in recompute:
             out.update(dict.fromkeys(region))
@@ -437,7 +444,7 @@ def excess_parts(nodes, kept: dict, strategies: dict, size: int, params: tuple, 
     parameters, its dtype's size); where each parameter's gradient arrives; and sum(kept). The ZeRO
     stages, microbatch counts and offload choices of one stage differ only in those bytes, so
     ``excess_with_grads`` prices each of them from one set of parts."""
-    index = {n: i for i, n in enumerate(nodes)}
+    index, users_of, priced = _backward_ops(nodes, strategies, size, params)
     total = sum(kept.values())
     before = [0.0] * (len(nodes) + 1)   # before[t]: kept bytes produced before op t (graph inputs: -1)
     own: dict = {}                      # an op's statistics and masks, alive during its own backward
@@ -448,10 +455,7 @@ def excess_parts(nodes, kept: dict, strategies: dict, size: int, params: tuple, 
     before = list(accumulate(before))
     arrivals = []                       # (op position, parameter): its gradient exists once that op's backward has run
     held = [0.0] * len(nodes)           # held[t]: deferred weight-gradient operands alive at op t
-    for p in params:
-        users = sorted({index[u] for u in p.users if u in index})
-        if not users:
-            continue
+    for p, users in users_of:
         summed = whole_weights and len(users) > 1
         arrivals.append((users[0] if summed else users[-1], p))
         for u in users[1:] if summed else ():
@@ -463,18 +467,41 @@ def excess_parts(nodes, kept: dict, strategies: dict, size: int, params: tuple, 
             inputs = [(index.get(k[0], -1), kept[k]) for k, _ in saved_tensors(user, strategies, size) if k in kept]
             for t in range(users[0] + 1, u):
                 held[t] += grad_out + sum(nbytes for at, nbytes in inputs if at >= t)
-    ops = []
-    mine = set(params)
-    for n in nodes:
-        t = index[n]
-        if n.op != "call_function" or node_flops(n) == (0.0, 0.0):
-            continue
-        dtype = getattr(n.meta.get("val"), "dtype", None)
-        # a 16-bit weight gradient is a buffer of its own until it is cast into the fp32 gradient
-        weights = (tuple(a for a in n.all_input_nodes if a in mine), dtype.itemsize) \
-            if dtype is not None and dtype.itemsize < 4 else None
-        ops.append((n, t, before[t] + own.get(n, 0.0), held[t], backward_transient(n, strategies, size), weights))
+    ops = [(n, t, before[t] + own.get(n, 0.0), held[t], transient, weights) for n, t, transient, weights in priced]
     return ops, arrivals, total, len(nodes)
+
+
+def _backward_ops(nodes, strategies: dict, size: int, params: tuple) -> tuple:
+    """What ``excess_parts`` reads of ``nodes`` that what they keep does not change: each node's
+    position, the positions of each of ``params``' users (parameters without one left out), and per
+    op that allocates in its backward its position, its transient and the 16-bit weight gradients it
+    writes. Once per nodes, parameters, axis size and the ops' strategies (``cost_model.memo``): the
+    recompute choices of one stage differ only in what is kept."""
+    nodes = tuple(nodes)
+
+    def compute():
+        index = {n: i for i, n in enumerate(nodes)}
+        users_of = []
+        for p in params:
+            users = sorted({index[u] for u in p.users if u in index})
+            if users:
+                users_of.append((p, users))
+        priced = []
+        mine = set(params)
+        for n in nodes:
+            t = index[n]
+            if n.op != "call_function" or node_flops(n) == (0.0, 0.0):
+                continue
+            dtype = getattr(n.meta.get("val"), "dtype", None)
+            # a 16-bit weight gradient is a buffer of its own until it is cast into the fp32 gradient
+            weights = (tuple(a for a in n.all_input_nodes if a in mine), dtype.itemsize) \
+                if dtype is not None and dtype.itemsize < 4 else None
+            priced.append((n, t, backward_transient(n, strategies, size), weights))
+        return index, users_of, priced
+    if not nodes:
+        return compute()
+    return cached(nodes[0].graph, ("backward_ops", nodes, size, tuple(params)), compute,
+                  *strategies_of(strategies, nodes))
 
 
 def excess_with_grads(parts: tuple, grads: dict, grads_held: bool) -> list:

@@ -23,7 +23,7 @@ from torch.fx import Node
 from autopar.passes.capture import graph_cached
 from autopar.passes.units import find_blocks
 
-from .memo import strategies_of
+from .memo import cached, strategies_of
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,22 @@ def block_shift(cap) -> BlockShift | None:
         return None
     nodes = tuple(n for b in blocks for n in b)
     calls = tuple(n for n in nodes if n.op == "call_function")
-    return BlockShift(nodes, calls, len(blocks[0]), len(calls) // len(blocks), {n: i for i, n in enumerate(calls)})
+    ops = len(calls) // len(blocks)
+    _twins(calls[0].graph).update((n, calls[ops + i % ops]) for i, n in enumerate(calls) if i >= 2 * ops)
+    return BlockShift(nodes, calls, len(blocks[0]), ops, {n: i for i, n in enumerate(calls)})
+
+
+def twin(node: Node) -> Node:
+    """The op of block 1 that ``node``, an op of block 2 on, is shifted from, once ``block_shift`` has
+    laid out its capture's blocks; else ``node``. The twins read the same op on arguments of the same
+    shapes and dtypes (``block_shift``), so what is read off one op alone, its time under a strategy,
+    is its twin's: priced once for all the blocks."""
+    return _twins(node.graph).get(node, node)
+
+
+def _twins(graph) -> dict:
+    """{op of block 2 on: its twin in block 1} of ``graph``'s capture, empty until ``block_shift`` fills it."""
+    return cached(graph, ("twins",), dict)
 
 
 def shifted(cap, strategies: dict, nodes: tuple, regions: tuple = ()):

@@ -262,11 +262,13 @@ def flat_compute_time(strategies: dict, tp: int, dev, tp_inter: bool, microbatch
     strategies, ``cost_model.memo``)."""
     if not strategies:
         return microbatches * 0.0
-    ops = sum(1 for n in strategies if n.op == "call_function")
     nodes = tuple(strategies)
-    ops_time = cached(nodes[0].graph, ("flat_compute", tp, tp_inter, nodes),
-                      lambda: sum(strategy_time(n, s, tp, dev, tp_inter, False) for n, s in strategies.items()), dev,
-                      *strategies.values())
+
+    def compute():
+        # the op count is the nodes', kept with their time: counting thousands of nodes per call is its own cost
+        return (sum(strategy_time(n, s, tp, dev, tp_inter, False) for n, s in strategies.items()),
+                sum(1 for n in nodes if n.op == "call_function"))
+    ops_time, ops = cached(nodes[0].graph, ("flat_compute", tp, tp_inter, nodes), compute, dev, *strategies.values())
     return microbatches * (ops_time + OP_OVERHEAD * ops)
 
 

@@ -23,6 +23,7 @@ from .comm import collective_time, summed_bytes
 from .compute import attention_kind, compute_time, node_bytes, node_flops
 from .memo import cached, strategies_of
 from .memory import VIEW_OPS
+from .repeats import twin
 
 # Fixed host-side cost of issuing one collective (kernel launch, stream sync). Besides being
 # real, it decides ties: ring all-reduce moves the same bytes as reduce-scatter + all-gather.
@@ -75,6 +76,7 @@ def strategy_time(node: Node, s, tp: int, dev, inter_node: bool, with_comm: bool
     others); 0 for views and non-ops."""
     if node.op != "call_function" or node.target in VIEW_OPS:
         return 0.0
+    node = twin(node)   # the repeated blocks' ops are priced once, as block 1's
     return cached(node.graph, ("strategy_time", node, tp, inter_node, with_comm),
                   lambda: _strategy_time(node, s, tp, dev, inter_node, with_comm), dev, s)
 

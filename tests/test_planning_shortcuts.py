@@ -11,13 +11,19 @@ import torch
 from torch.fx import GraphModule
 
 import autopar
-from autopar.cost_model.memory import local_param_bytes
+from autopar.cost_model import get_device
+from autopar.cost_model import memo
+from autopar.cost_model.memory import VIEW_OPS, _read_nodes, compiled_kept, excess_parts, local_param_bytes
+from autopar.cost_model.repeats import block_shift, twin
+from autopar.cost_model.strategy import _strategy_time, strategy_time
 from autopar.examples.gpt import build, example_inputs
 from autopar.passes.capture import capture_pass
 from autopar.passes.precision import retyped
 from autopar.passes.rules import Strategy
 from autopar.passes.units import stage_of_nodes
-from autopar.planner.decide import _stage_nodes, rebuild
+from autopar.planner.decide import _stage_nodes, decide, rebuild
+from autopar.planner.recompute import regions_for
+from autopar.planner.sharding import enumerate_strategies
 from autopar.plans import dp_placements
 from autopar.mesh import Mesh
 from autopar.placement import R
@@ -92,3 +98,104 @@ def test_planning_leaves_the_garbage_collector_as_it_found_it():
             assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_ops_of_repeated_blocks_are_priced_as_their_twins_in_block_one():
+    """An op of a repeated block is priced once for all its twins, as block 1's op: its time under every
+    strategy it may take, with and without its collectives, is the one worked out on the op itself."""
+    model, x = _model(n_layer=4)
+    cap = retyped(capture_pass(model, x, require_loss=True), "bf16")
+    shift = block_shift(cap)
+    ops = [n for n in cap.gm.graph.nodes if n.op == "call_function" and n.target not in VIEW_OPS]
+    twinned = [n for n in ops if twin(n) is not n]
+    assert twinned and twinned == [n for n in ops if shift.call_at.get(n, -1) >= 2 * shift.ops]   # blocks 2 and 3
+    dev = get_device("h100")
+    for tp in (1, 2):
+        options = enumerate_strategies(cap, tp, True)
+        for n in reversed(ops):   # the last blocks first: their twins are priced through them
+            for s in options[n]:
+                for with_comm in (False, True):
+                    assert strategy_time(n, s, tp, dev, False, with_comm) == \
+                        _strategy_time(n, s, tp, dev, False, with_comm)
+
+
+def test_backward_walk_of_a_stage_is_the_one_worked_out_afresh():
+    """What a stage's backward walk reads of its ops but not of what they keep (positions, transients,
+    16-bit weight gradients, the parameters' users) is kept per stage and strategies: the walk's parts
+    under other recompute regions or other strategies are those worked out with nothing kept."""
+    model, x = _model(n_layer=4)
+    cap, strategies, _ = decide(model, (1, 1, 2), x, device="h100", precision="bf16")
+    nodes = tuple(n for n in cap.gm.graph.nodes if n.op == "call_function")
+    params = tuple(cap.params.values())
+    replicated = {n: options[0] for n, options in enumerate_strategies(cap, 2, True).items()}
+    asked = []
+    for chosen in (strategies, replicated):
+        for mode in ("none", "selective", "full"):
+            kept = compiled_kept(nodes, chosen, 2, regions_for(cap, mode))
+            asked.append((chosen, kept, excess_parts(nodes, kept, chosen, 2, params)))
+    assert asked[0][2] != asked[3][2]   # the strategies change the walk
+    for chosen, kept, parts in asked:
+        memo._CACHE.clear()
+        assert excess_parts(nodes, kept, chosen, 2, params) == parts
+
+
+def test_prices_kept_per_graph_go_with_their_graph():
+    """The memo finds a graph's prices by its id, and drops them as the graph is freed: a graph made
+    later, which may take the same id, asks afresh."""
+    graph = torch.fx.Graph()
+    assert memo.cached(graph, ("answer",), lambda: 1) == 1
+    assert memo.cached(graph, ("answer",), lambda: 2) == 1
+    key = id(graph)
+    del graph
+    gc.collect()
+    assert key not in memo._CACHE
+    assert memo.cached(torch.fx.Graph(), ("answer",), lambda: 3) == 3
+
+
+def test_nodes_read_under_recompute_regions_are_those_worked_out_in_full():
+    """The nodes whose strategies a stage's kept bytes read, under regions within the stage (the
+    stage's own, worked out once) or reaching outside it, are those collected region by region."""
+    model, x = _model(n_layer=4)
+    cap = capture_pass(model, x, require_loss=True)
+    calls = tuple(n for n in cap.gm.graph.nodes if n.op == "call_function")
+    stage = calls[len(calls) // 3:]
+    for mode in ("selective", "full"):
+        regions = tuple(map(tuple, regions_for(cap, mode)))
+        for nodes, recompute in ((stage, tuple(r for r in regions if r[0] in stage)), (stage, regions)):
+            full = dict.fromkeys(nodes)
+            for region in recompute:
+                full.update(dict.fromkeys(region))
+            for n in list(full):
+                full.update(dict.fromkeys(n.all_input_nodes))
+            assert _read_nodes(nodes, recompute) == tuple(full)
+
+
+def test_recompute_modes_the_budget_decides_alone_are_the_solvers():
+    """Where the memory budget leaves one choice of recompute modes or none, the answer given without
+    the solver is the solver's: on budgets at, just inside and just outside the least memory and the
+    least memory plus one block's smallest step up, and between."""
+    import random
+
+    from autopar.planner.ilp import InfeasibleError, solve_strategies
+    from autopar.planner.recompute import _only_fit, block_modes
+
+    rng = random.Random(0)
+    decided = 0
+    for _ in range(60):
+        n = rng.randint(1, 6)
+        rows = [(rng.uniform(5, 10) * 2**30, rng.uniform(2, 5) * 2**30, rng.uniform(0.5, 2) * 2**30) for _ in range(n)]
+        if rng.random() < 0.5:
+            rows = [rows[0]] * n   # a stage of identical blocks
+        costs = tuple((0.0, rng.uniform(0.1, 1), rng.uniform(1, 3)) for _ in range(n))
+        mems = tuple(rows)
+        floor = sum(min(r) for r in mems)
+        step = min(m - min(r) for r in mems for m in r if m != min(r))
+        for budget in (floor - 2**20, floor - 1, floor, floor + 1, floor + step / 2, floor + step - 1,
+                       floor + step, floor + step + 2**20, floor + 3 * step):
+            try:
+                solved = tuple(solve_strategies(list(costs), [], node_memory=list(mems), memory_budget=budget).choice)
+            except InfeasibleError:
+                solved = None
+            decided += _only_fit(mems, budget) is not False
+            assert block_modes(costs, mems, budget) == solved
+    assert decided > 100

@@ -20,6 +20,7 @@ import torch
 from autopar.cost_model import get_device
 from autopar.cost_model.memo import cached
 from autopar.cost_model.memory import kept_gathered_bytes
+from autopar.cost_model.repeats import block_shift
 from autopar.cost_model.stages import (SCHEDULES, pipeline_split, rank_param_bytes, state_bytes_per_param_byte,
                                        state_floor, unit_costs)
 from autopar.cost_model.strategy import OP_OVERHEAD
@@ -528,6 +529,7 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
     given = plan if isinstance(plan, Plan) else None
     precision = given.precision if given is not None else precision
     cap = retyped(cap, precision)   # price compute, activations and collectives at the compute dtype
+    block_shift(cap)   # laid out before any op is priced, so that the repeated blocks' ops are priced as block 1's
     options = enumerate_strategies(cap, mesh.tp, sequence_parallel)   # on the retyped graph's nodes
     regions = None
     if given is not None:   # run as written: re-derive its collectives, times and memory from its choices

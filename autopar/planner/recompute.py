@@ -67,13 +67,39 @@ def block_modes(costs: tuple, mems: tuple, budget: float) -> tuple[int, ...] | N
 
     Where recomputing nothing fits and costs strictly less than any recompute in every block, that
     is the one optimum, which the ILP returns: it is answered without the solver (the stages
-    that fit as they are, beside one that does not, ask it)."""
+    that fit as they are, beside one that does not, ask it). Where the budget leaves one choice or
+    none, clear of the solver's feasibility tolerance, that is the answer too (``_only_fit``)."""
     if sum(m[0] for m in mems) <= budget and all(c[0] < min(c[1:]) for c in costs):
         return (0,) * len(costs)
+    only = _only_fit(mems, budget)
+    if only is not False:
+        return only
     try:
         return tuple(solve_strategies(list(costs), [], node_memory=list(mems), memory_budget=budget).choice)
     except InfeasibleError:
         return None
+
+
+# how far clear of the budget, relative to the largest figure (the ILP's scale for its memory row),
+# ``_only_fit`` needs a choice to be: far above HiGHS's feasibility tolerances (1e-6 and below)
+_CLEAR = 1e-4
+
+
+def _only_fit(mems: tuple, budget: float):
+    """``block_modes``' answer where the budget decides it alone: each block's least-memory mode when
+    it fits and moving any block to another mode does not (the one feasible choice, so the optimum);
+    None when even it does not fit; False when neither holds by ``_CLEAR`` (the solver decides)."""
+    if not mems:
+        return False
+    margin = _CLEAR * (max(abs(m) for row in mems for m in row) or 1.0)
+    least = [min(range(len(row)), key=row.__getitem__) for row in mems]
+    floor = sum(row[i] for row, i in zip(mems, least))
+    if floor > budget + margin:
+        return None
+    step = min(m - row[i] for row, i in zip(mems, least) for j, m in enumerate(row) if j != i)
+    if floor <= budget - margin and step > 0 and floor + step > budget + margin:
+        return tuple(least)
+    return False
 
 
 @graph_cached
