@@ -181,7 +181,7 @@ def test_recompute_modes_the_budget_decides_alone_are_the_solvers():
 
     rng = random.Random(0)
     decided = 0
-    for _ in range(60):
+    for _ in range(20):
         n = rng.randint(1, 6)
         rows = [(rng.uniform(5, 10) * 2**30, rng.uniform(2, 5) * 2**30, rng.uniform(0.5, 2) * 2**30) for _ in range(n)]
         if rng.random() < 0.5:
@@ -198,4 +198,4 @@ def test_recompute_modes_the_budget_decides_alone_are_the_solvers():
                 solved = None
             decided += _only_fit(mems, budget) is not False
             assert block_modes(costs, mems, budget) == solved
-    assert decided > 100
+    assert decided > 30, decided
