@@ -16,7 +16,7 @@ beside the world's other jobs, in a second spawn, the two use both cores. The 2-
 compiling jobs take the lane "compiled" (``compiled``), so that its default lane, the last spawn
 to end before, is about half as long.
 
-Once collection is over, ``start()`` (called by conftest) runs every registered spawn in four
+Once collection is over, ``start()`` (called by conftest) runs every registered spawn in three
 background threads, the named lanes first, then the heaviest worlds, while the main process goes
 on with the tests that need no ranks (conftest puts the modules that read pooled jobs last, in the
 order the spawns they read end). The ranks run at a lower priority than the main process, whose
@@ -55,9 +55,9 @@ _LOCK = threading.Lock()   # guards _LOCKS, _WORKDIR and _PENDING
 _ENV: dict[str, str] = {}   # the environment ranks run with, taken by start()
 _BACKGROUND: list[threading.Thread] = []
 # Spawns at once, for two cores: a spawn often keeps one core busy at most (its ranks take turns to
-# compile; a world of one rank), and the four largest (the 2-rank world's three lanes, the 4-rank
-# world) hold about the same work, so all four start together and none is left to run alone at the end.
-_THREADS = 4
+# compile; a world of one rank). Not four: with ten ranks on two cores, the 4-rank world's jobs, which
+# wait on each other's collectives, took up to 2.5 times the CPU seconds they took beside eight.
+_THREADS = 3
 # The ranks yield the core to this process's own tests: those run one after another, so a core they
 # wait for is lost at the end of the session, while the ranks of the spawns fill whatever is left.
 # NICE[0] for the ranks of a default lane, NICE[1] for those of a named lane: before the others.
