@@ -4,11 +4,11 @@ and the same command line run in this process (``main``), for tests about what a
 ``background`` registers a command at a test module's import; it starts with the session's tests
 (conftest calls ``start_background``) and runs beside them, so the tests that read it do not hold
 the test process up while it starts Python and imports torch. That matters most for `torchrun`:
-it starts its workers in sessions of their own, and a process of a new session gets a few percent
-of a core while the ranks of the test pool, in the session of the tests, keep both cores busy
-(Linux schedules each session as one group; a new group starts with no share of its own to speak
-of): its two workers took 100-230 s to import torch and autopar during a suite run, against 3 s on
-an idle machine.
+it starts its workers in sessions of their own, and Linux's autogroup scheduling gives a new
+session a few percent of a core while the ranks of the test pool, in the session of the tests, keep
+both cores busy (measured: a busy loop got 1-9% of a core in a new session, 18-71% in the tests'
+one at nice 0). Its two workers took 100-230 s to import torch and autopar during a suite run,
+against 3 s on an idle machine.
 
 The test pool spawns ranks from a background thread, and while a rank's process starts, this
 process's environment holds that rank's RANK, WORLD_SIZE and MASTER_PORT; a subprocess must not
@@ -16,9 +16,10 @@ inherit them (it would take itself for a rank), so it gets ``autopar.launch.envi
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
-import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -80,6 +81,7 @@ class Background:
     def start(self) -> None:
         """Writes the files to a fresh directory and starts the command there, in a thread that waits for it."""
         self.dir = Path(tempfile.mkdtemp(prefix="autopar-background-"))
+        atexit.register(shutil.rmtree, self.dir, ignore_errors=True)
         for name, text in self.files.items():
             (self.dir / name).write_text(text)
         threading.Thread(target=self._run, name=f"autopar-background-{self.module}", daemon=True).start()

@@ -55,8 +55,9 @@ _LOCK = threading.Lock()   # guards _LOCKS, _WORKDIR and _PENDING
 _ENV: dict[str, str] = {}   # the environment ranks run with, taken by start()
 _BACKGROUND: list[threading.Thread] = []
 # Spawns at once, for two cores: a spawn often keeps one core busy at most (its ranks take turns to
-# compile; a world of one rank). Not four: with ten ranks on two cores, the 4-rank world's jobs, which
-# wait on each other's collectives, took up to 2.5 times the CPU seconds they took beside eight.
+# compile; a world of one rank). Not four: of two runs back to back, the one with four took 1.2 times
+# the CPU seconds in the 4-rank world's jobs (ranks that wait on each other's collectives) and
+# ended a minute later.
 _THREADS = 3
 # The ranks yield the core to this process's own tests: those run one after another, so a core they
 # wait for is lost at the end of the session, while the ranks of the spawns fill whatever is left.
