@@ -126,8 +126,8 @@ def test_dead_rank_is_reported(fn, expected):
 def test_timeout_names_unfinished_ranks():
     start = time.monotonic()
     with pytest.raises(TimeoutError) as info:
-        spawn(_hang_on_rank_1, 2, timeout=4, start_method=FAILING)  # a forked rank 0 starts and returns in far less
-    assert time.monotonic() - start < 19
+        spawn(_hang_on_rank_1, 2, timeout=6, start_method=FAILING)  # a forked rank 0 starts and returns in far less
+    assert time.monotonic() - start < 21
     assert str(info.value).endswith("ranks still running: [1]")
 
 
