@@ -28,6 +28,7 @@ import time
 import warnings
 from pathlib import Path
 
+import pool
 from autopar.launch import environment
 
 
@@ -63,9 +64,6 @@ def main(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["autopar", *args], code or 0, out.getvalue(), err.getvalue())
 
 
-# the priority of background commands: below this process's, above the default lane of the test pool's
-# ranks (tests/pool.py's NICE), like its named lanes
-NICE = 5
 
 
 class Background:
@@ -89,7 +87,8 @@ class Background:
     def _run(self) -> None:
         try:
             cmd = self.cmd() if callable(self.cmd) else self.cmd
-            done = run(["nice", "-n", str(NICE), *cmd], timeout=self.timeout, cwd=self.dir, **self.env)
+            # below this process's priority, with the test pool's named lanes (above its default lane)
+            done = run(["nice", "-n", str(pool.NICE[1]), *cmd], timeout=self.timeout, cwd=self.dir, **self.env)
             self._outcome = (done, time.time())
         except BaseException as e:   # handed to the test that reads it
             self._error = e

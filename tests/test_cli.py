@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+
 import pytest
 
 from cli import background_autopar, main as _in_process
@@ -24,7 +25,7 @@ def _commands(d):
         "precision": ["plan", "gpt2", "--mesh", "1,1,2", "--batch", "8", "--seq", "128", "--precision", "bf16",
                       "--out", str(d / "bf16.json")],
         **{f"bad-{mesh}": ["plan", "gpt2", "--mesh", mesh, "--batch", "8", "--seq", "128"]
-           for mesh in BAD_MESHES},
+           for mesh in BAD_MESHES if f"bad-{mesh}" not in SUBPROCESS},
         "html": ["plan", f"{d / 'mymodel.py'}:make", "--mesh", "1,1,4", "--batch", "8", "--html", str(d / "plan.html")],
         "missing": ["plan", f"{d / 'mymodel.py'}:missing", "--mesh", "1,1,4"],
         "cpu": ["plan", f"{d / 'cpumodel.py'}:make", "--mesh", "1,1,2", "--batch", "4", "--out", str(d / "cpu.json")],
