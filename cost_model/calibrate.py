@@ -30,7 +30,8 @@ What is measured, on CUDA when it is available, else on the CPU:
 - Collectives, when a process group of several ranks exists (``torchrun``, or
   ``autopar.launch.spawn``): on every mesh axis with more than one rank, all-reduce, all-gather and
   reduce-scatter of several sizes. A sample's time is the slowest rank's (max over the axis),
-  median over repetitions. Each (axis, kind) is fitted to the ring model of ``cost_model.comm``,
+  the least over repetitions: what other work on a shared host adds to a collective only ever
+  lengthens it, and one slow repetition of a large message otherwise skews the whole fit. Each (axis, kind) is fitted to the ring model of ``cost_model.comm``,
       t = steps * latency + wire_bytes / bandwidth,
   (steps and wire bytes known per sample) by non-negative least squares on relative error. The
   fits of all axes on one network tier (inside a node, or across nodes) are pooled per kind into
@@ -399,7 +400,7 @@ def measure_collectives(mesh: tuple[int, int, int], device: str, sizes: list[int
 
 
 def _time_collective(op: Callable[[], object], device: str, group, reps: int) -> float:
-    """Median over ``reps`` of the slowest rank's time for one ``op`` started together."""
+    """The least over ``reps`` of the slowest rank's time for one ``op`` started together."""
     op()
     _sync(device)
     times = []
@@ -411,7 +412,7 @@ def _time_collective(op: Callable[[], object], device: str, group, reps: int) ->
         times.append(time.perf_counter() - t0)
     worst = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-    return statistics.median(worst.tolist())
+    return min(worst.tolist())
 
 
 def _guess_base(device: str) -> str:
