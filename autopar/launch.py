@@ -244,6 +244,7 @@ def _run_rank(conn, fn, rank, world_size, args, backend, collective_timeout, env
     ``forked`` (a rank of the fork server): ``env`` replaces the environment instead of adding to it,
     and ``args`` are pickle bytes."""
     if forked:
+        _warn_if_forked_from_threads()
         os.environ.clear()
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     os.environ.update(env)
@@ -263,6 +264,26 @@ def _run_rank(conn, fn, rank, world_size, args, backend, collective_timeout, env
         # may still be finishing a collective with this rank; leaving early would break either.
         conn.recv()
         dist.destroy_process_group()
+
+
+def _warn_if_forked_from_threads() -> None:
+    """Says on stderr when the fork server this rank was forked from runs threads besides its own.
+
+    A fork copies only the forking thread: a lock another thread held at that moment stays held in
+    the child for ever, and the rank blocks without using any CPU. The fork server is started
+    single-threaded; threads appear there when a module it preloads starts them at import (a
+    check of ``torch.cuda.is_available()`` at module level initialises the CUDA driver, which starts
+    threads of its own, on a CUDA build of torch)."""
+    try:
+        tasks = os.listdir(f"/proc/{os.getppid()}/task")
+        names = sorted(open(f"/proc/{os.getppid()}/task/{t}/comm").read().strip() for t in tasks)
+    except OSError:   # no /proc (not Linux), or the server is gone
+        return
+    if len(names) > 1:
+        print(f"autopar: warning: this rank was forked from a fork server running {len(names)} threads "
+              f"({', '.join(names)}); a rank forked while another thread holds a lock can block for ever. "
+              "Keep modules that start threads at import (CUDA initialisation among them) out of "
+              "preload_in_forkserver, or use start_method='spawn'.", file=sys.stderr, flush=True)
 
 
 def _collect(procs, conns, deadline, timeout):

@@ -1,11 +1,14 @@
 import ctypes
 import os
+import sys
+import textwrap
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import cli
 from autopar.launch import RankError, free_port, init_distributed, preload_in_forkserver, spawn
 
 # Functions handed to spawn are module-level so the spawned ranks can unpickle them.
@@ -33,7 +36,8 @@ def _forked(rank, world_size, tensors=()):
     dist.all_reduce(value)
     return {"sum": value.item(), "threads": torch.get_num_threads(), "omp": os.environ["OMP_NUM_THREADS"],
             "mark": os.environ.get("AUTOPAR_TEST_MARK"), "parent": os.environ.get("AUTOPAR_TEST_PARENT"),
-            "rank": os.environ["RANK"], "tensors": float(sum(t.sum() for t in tensors))}
+            "rank": os.environ["RANK"], "tensors": float(sum(t.sum() for t in tensors)),
+            "server threads": len(os.listdir(f"/proc/{os.getppid()}/task"))}
 
 
 def _boom_on_rank_1(rank, world_size, pid_dir):
@@ -79,10 +83,35 @@ def test_forkserver_ranks_get_the_environment_of_the_call(monkeypatch):
     assert all(r["tensors"] == 2 * sum(range(300)) for r in results)
     assert all(r["threads"] == share and r["omp"] == str(share) for r in results)
     assert all(r["mark"] == "seen" and r["parent"] == "set after the server started" for r in results)
+    # the session's fork server, which imported every pooled test module, runs no thread a fork would lose
+    assert all(r["server threads"] == 1 for r in results)
     with pytest.raises(RuntimeError, match="fork server has started already"):
         preload_in_forkserver(["json"])
     with pytest.raises(ValueError, match="'spawn' or 'forkserver'"):
         spawn(_forked, 2, start_method="fork")
+
+
+# A fork server whose preloaded module starts a thread at import, and one rank forked from it.
+_THREADED_SERVER = {
+    "threaded.py": "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n",
+    "job.py": textwrap.dedent("""
+        from autopar.launch import preload_in_forkserver, spawn
+        if __name__ == "__main__":
+            preload_in_forkserver(["threaded"])
+            print(spawn(max, 1, 1, start_method="forkserver"))
+    """),
+}
+THREADED_SERVER = cli.background([sys.executable, "job.py"], files=_THREADED_SERVER, timeout=300)
+
+
+def test_a_rank_forked_from_a_threaded_fork_server_says_so():
+    """A fork copies only the forking thread, so a lock another thread of the fork server holds stays
+    held in the rank: the rank says on stderr that its server ran threads, and which to keep out."""
+    done, _, _ = THREADED_SERVER.result()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[1]"
+    assert "forked from a fork server running 2 threads" in done.stderr
+    assert "preload_in_forkserver" in done.stderr and "start_method='spawn'" in done.stderr
 
 
 def test_results_come_back_per_rank_with_env():

@@ -261,7 +261,7 @@ def test_plan_files_without_offload_still_load(plans):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="the copy streams run on a GPU"))])
+    "not torch.cuda.is_available()", reason="the copy streams run on a GPU"))])
 def test_chunked_host_step_is_one_adamw_step(device):
     """The host steps its masters chunk by chunk (bounded staging buffers for the gradients; on a
     GPU the next chunk's copies run on side streams during this one's update): the result is one

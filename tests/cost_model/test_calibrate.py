@@ -227,7 +227,7 @@ def test_presets_round_trip_with_the_measured_fields(tmp_path):
     assert DeviceSpec.from_json(json.dumps(old)) == DEVICES["h100"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA GPU")
 def test_quick_calibration_on_a_gpu(tmp_path):
     from autopar.cost_model.calibrate import calibrate, write_profile
 

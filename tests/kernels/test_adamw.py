@@ -119,7 +119,7 @@ def test_bad_input_names_the_problem():
 
 # ---- the Triton kernel (CUDA only) ----------------------------------------------------------
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available() or not adamw.triton_available(),
+cuda = pytest.mark.skipif("not torch.cuda.is_available() or not adamw.triton_available()",
                           reason="the Triton kernel needs CUDA and triton")
 
 

@@ -136,7 +136,7 @@ def test_loss_kernel_must_be_known():
 
 # ---- the Triton kernel (CUDA) ---------------------------------------------------------------
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available() or not ce.triton_available(),
+cuda = pytest.mark.skipif("not torch.cuda.is_available() or not ce.triton_available()",
                           reason="needs a CUDA device and triton")
 
 

@@ -283,7 +283,7 @@ def test_fuse_loss_pass_leaves_shared_logits_alone():
 
 # ---- the Triton row kernels (CUDA only) -----------------------------------------------------
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available() or not flce.triton_available(),
+cuda = pytest.mark.skipif("not torch.cuda.is_available() or not flce.triton_available()",
                           reason="the Triton kernels need CUDA and triton")
 
 
