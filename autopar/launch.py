@@ -53,7 +53,12 @@ _PRELOAD_LOCK = threading.Lock()
 def preload_in_forkserver(modules) -> None:
     """Adds ``modules`` (importable names) to what the fork server of ``spawn(...,
     start_method="forkserver")`` imports when it starts, so that its ranks find them imported: the
-    modules a rank's function lives in, for instance. Raises RuntimeError once the server has started."""
+    modules a rank's function lives in, for instance. Raises RuntimeError once the server has started.
+
+    None of them may start a thread at import (a module-level ``torch.cuda.is_available()`` can, on
+    a CUDA build, by initialising the driver): a fork copies only the forking thread, and a lock
+    another thread held at that moment blocks the rank for ever. A rank forked from a server that
+    runs threads says so on stderr."""
     with _PRELOAD_LOCK:
         if _PRELOADED:
             raise RuntimeError("the fork server has started already: preload_in_forkserver must come "
@@ -272,8 +277,8 @@ def _warn_if_forked_from_threads() -> None:
     A fork copies only the forking thread: a lock another thread held at that moment stays held in
     the child for ever, and the rank blocks without using any CPU. The fork server is started
     single-threaded; threads appear there when a module it preloads starts them at import (a
-    check of ``torch.cuda.is_available()`` at module level initialises the CUDA driver, which starts
-    threads of its own, on a CUDA build of torch)."""
+    check of ``torch.cuda.is_available()`` at module level initialises the CUDA driver on a CUDA build
+    of torch, and the driver can start threads of its own)."""
     try:
         tasks = os.listdir(f"/proc/{os.getppid()}/task")
         names = sorted(open(f"/proc/{os.getppid()}/task/{t}/comm").read().strip() for t in tasks)

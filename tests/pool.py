@@ -155,7 +155,7 @@ def start() -> None:
     _T0.append(time.perf_counter())
     # Inductor's modules too: most spawns compile something, and each rank would import them (seconds).
     # The fork server imports the pooled test modules: none may start a thread at import (a module-level
-    # torch.cuda check initialises the CUDA driver, which does on a CUDA build), or a rank forked while
+    # torch.cuda check initialises the CUDA driver on a CUDA build, which can), or a rank forked while
     # that thread holds a lock blocks for ever; their skipif conditions on CUDA are strings for that.
     preload_in_forkserver(["pool", "parity", "torch._inductor.compile_fx", *sorted(modules())])
     with _LOCK:
