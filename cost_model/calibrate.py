@@ -31,7 +31,8 @@ What is measured, on CUDA when it is available, else on the CPU:
   ``autopar.launch.spawn``): on every mesh axis with more than one rank, all-reduce, all-gather and
   reduce-scatter of several sizes. A sample's time is the slowest rank's (max over the axis),
   the least over repetitions: what other work on a shared host adds to a collective only ever
-  lengthens it, and one slow repetition of a large message otherwise skews the whole fit. Each (axis, kind) is fitted to the ring model of ``cost_model.comm``,
+  lengthens it, and one slow repetition of a large message otherwise skews the whole fit. Each
+  (axis, kind) is fitted to the ring model of ``cost_model.comm``,
       t = steps * latency + wire_bytes / bandwidth,
   (steps and wire bytes known per sample) by non-negative least squares on relative error. The
   fits of all axes on one network tier (inside a node, or across nodes) are pooled per kind into
