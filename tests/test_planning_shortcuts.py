@@ -1,7 +1,8 @@
 """What the planner keeps or leaves undone to plan faster gives the answers doing the work gives: the
 ParamPlans kept per layout and dp placements, the ops of a stage cut kept per cut, the parameters'
-local bytes kept per their strategies, the retyped copy's code generated only when read, and the
-garbage collector paused only while planning."""
+local bytes kept per their strategies, the retyped copy's and the capture's code generated only when
+read, the strategies of repeated blocks enumerated once, and the garbage collector paused only while
+planning."""
 from __future__ import annotations
 
 import copy
@@ -117,6 +118,45 @@ def test_ops_of_repeated_blocks_are_priced_as_their_twins_in_block_one():
                 for with_comm in (False, True):
                     assert strategy_time(n, s, tp, dev, False, with_comm) == \
                         _strategy_time(n, s, tp, dev, False, with_comm)
+
+
+def test_ops_of_repeated_blocks_take_the_strategies_enumerated_for_them():
+    """An op of block 2 on takes its twin's strategies in block 1: those the rules give the op itself,
+    at every tp and sequence-parallel choice, on the example GPT and on Hugging Face Llama (RoPE)."""
+    import transformers
+
+    from autopar.hf import causal_lm_loss
+    from autopar.planner import sharding
+
+    gpt, x = _model(n_layer=4)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
+    with torch.device("meta"):
+        hf = causal_lm_loss(transformers.LlamaForCausalLM(cfg))
+    ids = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    for model, inputs in ((gpt, x), (hf, (ids, ids))):
+        cap = capture_pass(model, inputs, require_loss=True)
+        block_shift(cap)   # lays out the twins
+        twinned = [n for n in cap.gm.graph.nodes if twin(n) is not n]
+        for tp in (2, 4):
+            for sp in (False, True, None):
+                kept = enumerate_strategies(cap, tp, sp)
+                assert twinned and all(kept[n] is kept[twin(n)] or kept[n] == kept[twin(n)] for n in twinned)
+                real = sharding.twin
+                try:
+                    sharding.twin = lambda n: n
+                    full = enumerate_strategies.__wrapped__(cap, tp, sp)
+                finally:
+                    sharding.twin = real
+                assert kept == full
+
+
+def test_captured_code_is_generated_when_read():
+    """The capture of a repeated model generates its Python code on first use, the code a GraphModule of
+    its graph has."""
+    model, x = _model(n_layer=4)
+    cap = capture_pass(model, x, require_loss=True)
+    assert cap.gm.code == GraphModule(cap.gm, copy.deepcopy(cap.gm.graph)).code
 
 
 def test_backward_walk_of_a_stage_is_the_one_worked_out_afresh():

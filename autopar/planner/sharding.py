@@ -28,6 +28,7 @@ from torch.fx import Node
 
 from autopar.cost_model import axis_is_inter_node, node_flops
 from autopar.cost_model.memo import cached, strategies_of
+from autopar.cost_model.repeats import block_shift, twin
 from autopar.cost_model.context import cp_collectives
 from autopar.cost_model.step import (dp_sync_bytes, dp_sync_collectives, dp_sync_time, flat_compute_time, tp_comm_time,
                                      zero_unit_figures)
@@ -83,13 +84,22 @@ def check_tp(cap: Captured, tp: int) -> None:
                             f"valid tp: {', '.join(map(str, divisors(hidden)))}")
 
 
+def _labelled_alike(labels: dict, node: Node, other: Node) -> bool:
+    """Whether ``node`` and ``other`` and their arguments, in order, have the same dim labels."""
+    return labels.get(node) == labels.get(other) and all(
+        labels.get(a) == labels.get(b) for a, b in zip(node.all_input_nodes, other.all_input_nodes, strict=True))
+
+
 @graph_cached
 def enumerate_strategies(cap: Captured, tp: int, sequence_parallel) -> dict[Node, list[Strategy]]:
     """Candidate strategies per node, with the sequence-parallel choice applied. Equal strategies are
     one object: the prices kept per strategy object (``cost_model.memo``) are then shared by the
     twin ops of repeated blocks, and a run of blocks is recognised as another by the identity of its
-    strategies (``cost_model.repeats``)."""
+    strategies (``cost_model.repeats``). An op of block 2 on takes its twin's strategies in block 1
+    where their dims are labelled alike: the rules read an op's target, arguments, shapes and
+    labels, and ``block_shift`` has checked the rest are the same."""
     g = cap.gm.graph
+    block_shift(cap)   # lays out the twins
     shared: dict[Strategy, Strategy] = {}
     chunks = {len(n.meta["val"]) for n in g.nodes if n.target in (aten.split.Tensor, aten.chunk.default)
               and len({tuple(v.shape) for v in n.meta["val"]}) == 1}
@@ -104,6 +114,10 @@ def enumerate_strategies(cap: Captured, tp: int, sequence_parallel) -> dict[Node
         if node.op == "call_function" and tp == 1:
             options[node] = [Strategy(tuple(R for _ in node.all_input_nodes), R)]
         elif node.op == "call_function":
+            first = twin(node)
+            if first is not node and _labelled_alike(labels, node, first):
+                options[node] = options[first]
+                continue
             opts = strategies_for(node, ctx)
             if sequence_parallel is False:
                 opts = [s for s in opts if not seq_sharded(s.output, node)
