@@ -159,6 +159,25 @@ def test_captured_code_is_generated_when_read():
     assert cap.gm.code == GraphModule(cap.gm, copy.deepcopy(cap.gm.graph)).code
 
 
+def test_a_graph_whose_code_waits_to_be_generated_compiles_as_one_frame():
+    """``lower`` hands torch.compile the graph's own code, not the wrapper that generates it, which
+    dynamo would compile as frames of their own."""
+    from torch._dynamo.utils import counters
+    from torch.fx._lazy_graph_module import _LazyGraphModule, _make_graph_module, _use_lazy_graph_module
+
+    from autopar.runtime.parallel_model import lower
+
+    traced = torch.fx.symbolic_trace(lambda x: torch.relu(x) * 2)
+    with _use_lazy_graph_module(True):
+        gm = _make_graph_module(traced, copy.deepcopy(traced.graph))
+    assert isinstance(gm, _LazyGraphModule)
+    torch._dynamo.reset()
+    before = counters["frames"]["total"]
+    x = torch.randn(4)
+    assert torch.equal(lower(gm, "aot_eager")(x), torch.relu(x) * 2)
+    assert counters["frames"]["total"] - before == 1
+
+
 def test_backward_walk_of_a_stage_is_the_one_worked_out_afresh():
     """What a stage's backward walk reads of its ops but not of what they keep (positions, transients,
     16-bit weight gradients, the parameters' users) is kept per stage and strategies: the walk's parts

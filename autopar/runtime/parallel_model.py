@@ -8,6 +8,7 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar import collectives as C
@@ -554,6 +555,9 @@ def lower(gm: torch.fx.GraphModule, compile, *, regather: bool = False, order=No
     compiles them first."""
     if not compile:
         return gm
+    if isinstance(gm, _LazyGraphModule):
+        # dynamo would trace the wrapper that generates the code (frames of its own), not the graph's code
+        gm.real_recompile()
     options = {"joint_custom_pre_pass": RegatherInBackward()} if compile is True and regather else None
     if order is not None and uses_inductor(compile):
         named = compile is True or compile == "inductor" or compile in MODES
