@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import Graph, GraphModule, Node, map_arg
-from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 aten = torch.ops.aten
 
@@ -68,10 +68,9 @@ class Captured:
             env[node] = g.create_node(node.op, node.target, map_arg(node.args, env.__getitem__),
                                       map_arg(node.kwargs, env.__getitem__), name_of(node), node.type)
             env[node].meta = dict(node.meta)
-        # its Python code is generated when first run or read, not here: the planner only reads the
-        # graph, and the code of an 80-layer model's graph costs about half a second to generate
-        with _use_lazy_graph_module(True):
-            gm = _make_graph_module(self.gm, g)
+        # its Python code is generated when first run or read, not here (as driver.copy_graph's lazy
+        # copies): the planner only reads the graph, and an 80-layer model's code takes about 0.5 s
+        gm = _LazyGraphModule(self.gm, g)
         in_order = [nd for nd in self.gm.graph.nodes if nd.op == "placeholder"]   # the order export gives them
         params, buffers = set(self.params.values()), set(self.buffers.values())
         return replace(self, gm=gm,

@@ -141,36 +141,43 @@ def test_ops_of_repeated_blocks_take_the_strategies_enumerated_for_them():
         for tp in (2, 4):
             for sp in (False, True, None):
                 kept = enumerate_strategies(cap, tp, sp)
-                assert twinned and all(kept[n] is kept[twin(n)] or kept[n] == kept[twin(n)] for n in twinned)
-                real = sharding.twin
+                assert twinned and all(kept[n] == kept[twin(n)] for n in twinned)
+                real = sharding.twin, sharding.strategies_for
+                asked = []
                 try:
+                    sharding.strategies_for = lambda n, ctx: asked.append(n) or real[1](n, ctx)
+                    assert enumerate_strategies.__wrapped__(cap, tp, sp) == kept
+                    assert asked and not set(asked) & set(twinned)   # the rules were asked for no twin
                     sharding.twin = lambda n: n
                     full = enumerate_strategies.__wrapped__(cap, tp, sp)
                 finally:
-                    sharding.twin = real
+                    sharding.twin, sharding.strategies_for = real
                 assert kept == full
 
 
 def test_captured_code_is_generated_when_read():
     """The capture of a repeated model generates its Python code on first use, the code a GraphModule of
     its graph has."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
     model, x = _model(n_layer=4)
     cap = capture_pass(model, x, require_loss=True)
+    assert isinstance(cap.gm, _LazyGraphModule) and cap.gm._needs_recompile()
     assert cap.gm.code == GraphModule(cap.gm, copy.deepcopy(cap.gm.graph)).code
+    assert not cap.gm._needs_recompile()
 
 
 def test_a_graph_whose_code_waits_to_be_generated_compiles_as_one_frame():
     """``lower`` hands torch.compile the graph's own code, not the wrapper that generates it, which
     dynamo would compile as frames of their own."""
     from torch._dynamo.utils import counters
-    from torch.fx._lazy_graph_module import _LazyGraphModule, _make_graph_module, _use_lazy_graph_module
+    from torch.fx._lazy_graph_module import _LazyGraphModule
 
     from autopar.runtime.parallel_model import lower
 
     traced = torch.fx.symbolic_trace(lambda x: torch.relu(x) * 2)
-    with _use_lazy_graph_module(True):
-        gm = _make_graph_module(traced, copy.deepcopy(traced.graph))
-    assert isinstance(gm, _LazyGraphModule)
+    gm = _LazyGraphModule(traced, copy.deepcopy(traced.graph))
+    assert gm._needs_recompile()
     torch._dynamo.reset()
     before = counters["frames"]["total"]
     x = torch.randn(4)
