@@ -8,7 +8,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from autopar.cost_model import preset_for_gpu
+from autopar.cost_model.devices import preset_for_gpu
 from autopar.mesh import Mesh, default_device_type, device_mesh
 from autopar.planner.decide import check_knobs, decide, rebuild
 from autopar.plans import Plan

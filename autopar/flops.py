@@ -59,7 +59,7 @@ from torch.fx.node import map_arg
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.cost_model import get_device
+from autopar.cost_model.devices import get_device
 from autopar.cost_model.devices import dtype_key
 from autopar.placement import Replicate, Shard, local_shape, padded_size, parse_placement
 

@@ -151,7 +151,7 @@ def test_the_solver_minimises_what_the_plan_is_priced_at(models, name, mesh):
     """The ILP's objective is the plan's predicted step time, but for the per-collective launch
     overhead the solver adds to break ties (dp = pp = 1: no stage schedule, no dp sync latency)."""
     from autopar.planner.decide import decide
-    from autopar.cost_model import get_device
+    from autopar.cost_model.devices import get_device
     from autopar.mesh import Mesh
     from autopar.cost_model.step import param_byte_time
     from autopar.planner.sharding import enumerate_strategies, solve

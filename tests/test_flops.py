@@ -14,7 +14,7 @@ import autopar
 import cli
 import pool
 from autopar.planner.decide import decide
-from autopar.cost_model import DEVICES
+from autopar.cost_model.devices import DEVICES
 from autopar.examples.gpt import GPT, GPTConfig, build, example_inputs
 from autopar.flops import FlopsReport, flops_report, mfu, report_for, report_table
 

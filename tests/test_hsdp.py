@@ -22,7 +22,8 @@ import autopar
 import pool
 from autopar import collectives as C
 from autopar.checkpoint import load_checkpoint, save_checkpoint
-from autopar.cost_model import collective_time, get_device
+from autopar.cost_model.comm import collective_time
+from autopar.cost_model.devices import get_device
 from autopar.cost_model.step import unit_sync_times
 from autopar.errors import PlanError
 from autopar.examples.gpt import build, example_inputs

@@ -91,7 +91,7 @@ def test_the_split_is_the_plans_own_step_sum():
 
 
 def test_recompute_auto_with_mesh_auto_fits_the_device_by_default():
-    from autopar.cost_model import get_device
+    from autopar.cost_model.devices import get_device
     model, inputs = _gpt2()
     default = autopar.plan(model, "auto", inputs, world_size=4, recompute="auto")
     given = autopar.plan(model, "auto", inputs, world_size=4, recompute="auto",

@@ -13,7 +13,7 @@ import torch
 import autopar
 import pool
 from autopar.checkpoint import load_checkpoint, save_checkpoint
-from autopar.cost_model import get_device
+from autopar.cost_model.devices import get_device
 from autopar.examples.gpt import build, example_inputs
 from autopar.plans import Plan, PlanFormatError
 from parity import SEQ, TINY, make_model, pm_curve, reference

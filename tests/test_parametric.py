@@ -58,7 +58,7 @@ def test_a_choice_is_not_taken_past_a_price_where_another_was_proven():
 def test_the_tp_ilp_gives_a_fresh_solve_choice_at_every_byte_price():
     """``sharding.solve`` asked one tp's ILP at falling, then rising, byte prices gives each the strategies
     a capture solved afresh at that price gives."""
-    from autopar.cost_model import get_device
+    from autopar.cost_model.devices import get_device
     from autopar.examples.gpt import build, example_inputs
     from autopar.passes.capture import capture_pass
     from autopar.planner.sharding import enumerate_strategies, solve

@@ -6,7 +6,7 @@ import pytest
 
 import autopar
 from autopar.planner.decide import decide
-from autopar.cost_model import get_device
+from autopar.cost_model.devices import get_device
 from autopar.cost_model.stages import unit_costs
 from autopar.examples.gpt import build, example_inputs
 from autopar.planner.recompute import regions_for

@@ -12,7 +12,7 @@ import torch
 from torch.fx import GraphModule
 
 import autopar
-from autopar.cost_model import get_device
+from autopar.cost_model.devices import get_device
 from autopar.cost_model import memo
 from autopar.cost_model.memory import VIEW_OPS, _read_nodes, compiled_kept, excess_parts, local_param_bytes
 from autopar.cost_model.repeats import block_shift, twin

@@ -10,7 +10,7 @@ import torch
 
 import autopar
 from autopar import api
-from autopar.cost_model import preset_for_gpu
+from autopar.cost_model.devices import preset_for_gpu
 import cli
 import pool
 from parity import BATCH, SEQ, TINY, make_model

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.cost_model.strategy import OP_OVERHEAD
-from autopar.cost_model import get_device
+from autopar.cost_model.devices import get_device
 import pool
 
 FORMS = ("half", "stack", "complex")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import pool
-from autopar.cost_model import get_device
+from autopar.cost_model.devices import get_device
 from autopar.cost_model.step import dp_sync_time, unit_sync_times, zero_exposed_time, zero_unit_figures
 from autopar.examples.gpt import build, example_inputs
 from autopar.mesh import Mesh

@@ -109,7 +109,8 @@ def test_zero3_keeps_every_block_gathered_when_memory_allows(gpt, stages, reshar
 
 
 def test_zero3_keeps_what_fits_the_budget_and_prices_the_saved_regathers(gpt, resharded, stages):
-    from autopar.cost_model import collective_time, get_device
+    from autopar.cost_model.comm import collective_time
+    from autopar.cost_model.devices import get_device
     model, x = gpt
     budget = (_peak(resharded) + _peak(stages[3])) / 2
     part = autopar.plan(model, MESH, x, device="h100", zero=3, memory_budget=budget)

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from autopar.cost_model import get_device
+from autopar.cost_model.devices import get_device
 from autopar.cost_model.memo import cached
 from autopar.cost_model.memory import kept_gathered_bytes
 from autopar.cost_model.repeats import block_shift

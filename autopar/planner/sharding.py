@@ -26,7 +26,8 @@ import numpy as np
 import torch
 from torch.fx import Node
 
-from autopar.cost_model import axis_is_inter_node, node_flops
+from autopar.cost_model.comm import axis_is_inter_node
+from autopar.cost_model.compute import node_flops
 from autopar.cost_model.memo import cached, strategies_of
 from autopar.cost_model.repeats import block_shift, twin
 from autopar.cost_model.context import cp_collectives

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import autopar
-from autopar.cost_model import DEVICES, DeviceSpec, collective_time, compute_time, get_device, node_flops
+from autopar.cost_model.comm import collective_time
+from autopar.cost_model.compute import compute_time, node_flops
+from autopar.cost_model.devices import DEVICES, DeviceSpec, get_device
 from autopar.cost_model.calibrate import fit_alpha_beta, measure_collectives
 from autopar.cost_model.comm import collective_bytes_on_wire
 from autopar.cost_model.compute import matmul_rate

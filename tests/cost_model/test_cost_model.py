@@ -8,17 +8,9 @@ import time
 import pytest
 import torch
 
-from autopar.cost_model import (
-    DEVICES,
-    DeviceSpec,
-    axis_is_inter_node,
-    collective_time,
-    compute_time,
-    get_device,
-    node_bytes,
-    node_flops,
-    op_flops,
-)
+from autopar.cost_model.comm import axis_is_inter_node, collective_time
+from autopar.cost_model.compute import compute_time, node_bytes, node_flops, op_flops
+from autopar.cost_model.devices import DEVICES, DeviceSpec, get_device
 from autopar.cost_model.comm import collective_bytes_on_wire
 
 aten = torch.ops.aten

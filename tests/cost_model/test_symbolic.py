@@ -9,7 +9,8 @@ import sympy
 import torch
 
 import autopar
-from autopar.cost_model import DEVICES, compute_time
+from autopar.cost_model.compute import compute_time
+from autopar.cost_model.devices import DEVICES
 from autopar.cost_model.devices import CollectiveFit, MatmulSample
 from autopar.examples.gpt import build, example_inputs
 
