@@ -128,25 +128,44 @@ def strategies_for(node: Node, ctx: RuleContext) -> list[Strategy]:
     return fn(node, ctx)
 
 
+# What ``say_once`` has said in this process, keyed without shapes (see there).
+_SAID: set = set()
+
+
+def say_once(key: tuple, graph: torch.fx.Graph, message: str, stacklevel: int = 2) -> None:
+    """Warn ``message`` from rank 0 only, once per process for ``key`` and the model ``graph`` was
+    captured from (its parameters' names and shapes); ``stacklevel`` as ``warnings.warn``'s in the caller.
+
+    A planning captures the model once per microbatch shape (pipeline microbatch counts, the mesh
+    search), and what is said about its ops depends on the model, not on those shapes: keyed on the
+    model, not on the capture or the text (whose byte counts follow the shapes), it is said once."""
+    params = tuple((n.meta.get("fqn"), tuple(n.meta["val"].shape)) for n in graph.nodes
+                   if n.op == "placeholder" and n.meta.get("kind") == "param" and "val" in n.meta)
+    if (key, params) in _SAID:
+        return
+    _SAID.add((key, params))
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    warnings.warn(message, stacklevel=stacklevel + 1)
+
+
 def _warn_no_rule(node: Node, ctx: RuleContext) -> None:
-    """Say once per op kind and planning, from rank 0 only, that an op has no rule and what that costs.
+    """Say once per op kind and model (``say_once``) that an op has no rule and what that costs.
 
     One line per node (18 for a 2-layer interleaved RoPE) on every rank buries the point; the text
-    depends only on the graph, so planning the same model again in one process repeats nothing."""
+    depends only on the model, so planning it again in one process, at any shapes, repeats nothing."""
     if node.target in ctx.unruled:
         return
     ctx.unruled.add(node.target)
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-        return
     same = [n for n in node.graph.nodes if n.op == "call_function" and n.target == node.target
             and not ctx.constant(n)]
     gathered = sum(_value_bytes(i) for n in same for i in n.all_input_nodes)
     where = node.meta.get("module_path") or "<top level>"
     more = f" (and {len(same) - 1} more node{'s' * (len(same) > 2)})" if len(same) > 1 else ""
-    warnings.warn(f"autopar: no sharding rule for {node.target} in {where}{more}; it runs replicated on every "
-                  f"tp rank: its inputs ({gathered / 2**20:.3g} MiB in all) are gathered whole wherever their "
-                  "producers shard them, and its work is repeated on each rank instead of divided",
-                  stacklevel=3)
+    say_once(("no rule", node.target, where, len(same)), node.graph,
+             f"autopar: no sharding rule for {node.target} in {where}{more}; it runs replicated on every "
+             f"tp rank: its inputs ({gathered / 2**20:.3g} MiB in all) are gathered whole wherever their "
+             "producers shard them, and its work is repeated on each rank instead of divided", stacklevel=3)
 
 
 def _value_bytes(node: Node) -> int:
@@ -333,6 +352,28 @@ def expand(node: Node, ctx: RuleContext) -> list[Strategy]:
         if src[d] == out[d + lead] and ctx.shardable(node.args[0], d, exact=False):
             res += [Strategy((Shard(d, k),), Shard(d + lead, k)) for k in ctx.interleaves if src[d] % k == 0]
     return res
+
+
+@rule(aten.repeat_interleave.self_int)
+def repeat_interleave(node: Node, ctx: RuleContext) -> list[Strategy]:
+    """Each slice of one dim repeated n times in place (grouped-query attention's key/value heads,
+    ``k.repeat_interleave(n_rep, dim=1)``): a rank's block of that dim repeats into its block of the
+    output (whole blocks only: a padded slice would be repeated into the middle of the output), the
+    other dims keep their shards, and a sum of per-rank inputs repeats into the sum."""
+    src = shape(node.args[0])
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    out = [Strategy((R,), R), Strategy((P,), P)]
+    if dim is None:   # the input flattened first: its dims do not survive
+        return out
+    dim %= len(src)
+    for d in range(len(src)):
+        if d == dim and (node.kwargs.get("output_size") is not None or not ctx.shardable(node.args[0], d)):
+            continue   # a local output_size would be the global one
+        if d != dim and not ctx.shardable(node.args[0], d, exact=False):
+            continue
+        out += [Strategy((Shard(d, k),), Shard(d, k)) for k in ctx.interleaves
+                if src[d] % k == 0 and (d != dim or (src[d] // k) % ctx.size == 0)]
+    return out
 
 
 @rule(aten.cat.default)
@@ -526,6 +567,20 @@ def layer_norm(node: Node, ctx: RuleContext) -> list[Strategy]:
     return out
 
 
+@rule(aten.rms_norm.default)
+def rms_norm(node: Node, ctx: RuleContext) -> list[Strategy]:
+    """torch's RMSNorm over its last dims: the others may be sharded, the weight (if any) whole. A
+    zero row normalises to zero, so a shard's padding may run through it."""
+    x = node.args[0]
+    n_norm = len(node.args[1])
+    ins = node.all_input_nodes
+    out = [Strategy(tuple(R for _ in ins), R)]
+    for d in range(len(shape(x)) - n_norm):
+        if ctx.shardable(x, d, exact=False):
+            out.append(Strategy((Shard(d),) + tuple(R for _ in ins[1:]), Shard(d), ctx.size))
+    return out
+
+
 @rule(aten.scaled_dot_product_attention.default)
 def sdpa(node: Node, ctx: RuleContext) -> list[Strategy]:
     """Attention over (B, heads, T, head_dim): heads are independent."""
@@ -624,6 +679,9 @@ def _label(node: Node, labels: dict) -> tuple[str, ...]:
         first = labels[node.args[0][0]]
         dim = (node.args[1] if len(node.args) > 1 else 0) % len(out)
         return first[:dim] + ("other",) + first[dim:]
+    if tgt == aten.repeat_interleave.self_int and lab and (node.args[2] if len(node.args) > 2
+                                                          else node.kwargs.get("dim")) is None:
+        return ("batch" if "batch" in lab else "seq" if "seq" in lab else "other",)   # flattened first
     if tgt == operator.getitem:
         return lab
     if tgt == aten.scaled_dot_product_attention.default:

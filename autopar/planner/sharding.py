@@ -41,7 +41,7 @@ from autopar.planner.parametric import choice_at
 from autopar.passes.capture import Captured, graph_cached
 from autopar.passes.precision import working_copy_ratio
 from autopar.passes.reshard import regather_candidate
-from autopar.passes.rules import RuleContext, Strategy, dim_labels, is_float, shape, strategies_for
+from autopar.passes.rules import RULES, RuleContext, Strategy, dim_labels, is_float, say_once, shape, strategies_for
 from autopar.placement import R, Placement, Shard, local_shape
 
 aten = torch.ops.aten
@@ -92,8 +92,98 @@ def _labelled_alike(labels: dict, node: Node, other: Node) -> bool:
 
 
 @graph_cached
+def labels_of(cap: Captured) -> dict[Node, tuple[str, ...]]:
+    """``rules.dim_labels`` of ``cap``'s activations, found once per capture."""
+    return dim_labels(cap.gm, cap.inputs)
+
+
+def _seq_sharded(labels: dict, p: Placement, node: Node) -> bool:
+    """Whether ``node``'s value laid out as ``p`` is split along its sequence dim."""
+    return isinstance(p, Shard) and labels.get(node, ())[p.dim:p.dim + 1] == ("seq",)
+
+
+@graph_cached
+def norm_nodes(cap: Captured) -> tuple[Node, ...]:
+    """The ops that normalise tokens over their features, in graph order: what sequence parallelism
+    runs on sequence shards. A norm op (layer_norm, torch's rms_norm, or one without a rule, such as
+    linalg_vector_norm) or the mean over the features of an RMSNorm written out (Llama's), applied
+    to an activation of the tokens (a dim labelled batch or seq)."""
+    labels = labels_of(cap)
+    found = []
+    for node in cap.gm.graph.nodes:
+        x = node.args[0] if node.op == "call_function" and node.args else None
+        lab = labels.get(x, ()) if isinstance(x, Node) else ()
+        if not ("batch" in lab or "seq" in lab):
+            continue
+        if node.target is aten.mean.dim:
+            dims = {d % len(lab) for d in node.args[1]} if node.args[1] else set(range(len(lab)))
+            if len(dims) < len(lab) and all(lab[d] == "other" for d in dims):
+                found.append(node)
+        elif isinstance(node.target, torch._ops.OpOverload) and "norm" in str(node.target).split(".")[1]:
+            found.append(node)
+    return tuple(found)
+
+
+def sequence_sharded(cap: Captured, strategies: dict[Node, Strategy]) -> bool:
+    """Whether ``strategies`` run sequence parallel: some norm (``norm_nodes``) on sequence shards."""
+    labels = labels_of(cap)
+    return any(_seq_sharded(labels, strategies[n].output, n) for n in norm_nodes(cap))
+
+
+def sequence_parallel_notes(cap: Captured, tp: int, sequence_parallel) -> tuple[str, ...]:
+    """The plan's note where ``sequence_parallel=True`` cannot be honoured (naming the op that
+    prevents it and why, as ``enumerate_strategies`` warns), or does nothing (tp=1); else none."""
+    if sequence_parallel is not True:
+        return ()
+    if tp == 1:
+        return ("sequence_parallel=True does nothing at tp=1: sequence parallelism splits the norms' tokens "
+                "over the tp ranks",)
+    refused = _sequence_refusal(cap, tp, enumerate_strategies(cap, tp, True))
+    return (refused,) if refused else ()
+
+
+def _sequence_refusal(cap: Captured, tp: int, options: dict[Node, list[Strategy]]) -> str | None:
+    """Why ``options`` (made with sequence_parallel=True) leave norms off sequence shards, per op
+    kind and reason, or None where every norm is on them."""
+    labels, norms = labels_of(cap), norm_nodes(cap)
+    if not norms:
+        return ("sequence_parallel=True: the model has no norm over its tokens' features (layer_norm, rms_norm, "
+                "or an RMSNorm's mean) for sequence parallelism to split by tokens; it is off")
+    refused: dict[tuple, list[Node]] = {}
+    for n in norms:
+        if not any(_seq_sharded(labels, s.output, n) for s in options[n]):
+            refused.setdefault((n.target, _why_not_on_tokens(n, tp, labels)), []).append(n)
+    if not refused:
+        return None
+    parts = []
+    for (target, why), nodes in refused.items():
+        where = nodes[0].meta.get("module_path") or "<top level>"
+        more = f" (and {len(nodes) - 1} more node{'s' * (len(nodes) > 2)})" if len(nodes) > 1 else ""
+        parts.append(f"{target} in {where}{more} cannot run on sequence shards: {why}")
+    off = sum(map(len, refused.values())) == len(norms)
+    return ("sequence_parallel=True is not honoured: " + "; ".join(parts)
+            + ("; sequence parallelism is off" if off else "; the other norms run on sequence shards"))
+
+
+def _why_not_on_tokens(node: Node, tp: int, labels: dict) -> str:
+    """Why the rules give norm ``node`` no strategy on sequence shards."""
+    if node.target not in RULES:
+        return "it has no sharding rule, so it runs whole on every tp rank"
+    x = node.args[0]
+    lab, dims = labels.get(x, ()), shape(x)
+    if "seq" not in lab:
+        return (f"its input {list(dims)} has no sequence dim apart from the batch (a reshape merged the tokens "
+                "into it), and tp never splits the batch")
+    if dims[lab.index("seq")] % tp:
+        return f"its {dims[lab.index('seq')]}-token sequence does not split evenly over tp={tp}"
+    return "its sharding rule has no strategy on sequence shards"
+
+
+@graph_cached
 def enumerate_strategies(cap: Captured, tp: int, sequence_parallel) -> dict[Node, list[Strategy]]:
-    """Candidate strategies per node, with the sequence-parallel choice applied. Equal strategies are
+    """Candidate strategies per node, with the sequence-parallel choice applied: False keeps every
+    value off sequence shards, True puts every norm (``norm_nodes``) on them where its rule can,
+    and warns, naming the op, where it cannot. Equal strategies are
     one object: the prices kept per strategy object (``cost_model.memo``) are then shared by the
     twin ops of repeated blocks, and a run of blocks is recognised as another by the identity of its
     strategies (``cost_model.repeats``). An op of block 2 on takes its twin's strategies in block 1
@@ -104,11 +194,13 @@ def enumerate_strategies(cap: Captured, tp: int, sequence_parallel) -> dict[Node
     shared: dict[Strategy, Strategy] = {}
     chunks = {len(n.meta["val"]) for n in g.nodes if n.target in (aten.split.Tensor, aten.chunk.default)
               and len({tuple(v.shape) for v in n.meta["val"]}) == 1}
-    labels = dim_labels(cap.gm, cap.inputs)
+    labels = labels_of(cap)
     ctx = RuleContext(tp, tuple(sorted({1} | chunks)), labels)
+    forced = sequence_parallel is True and tp > 1
+    norms = set(norm_nodes(cap)) if forced else set()
 
     def seq_sharded(p: Placement, node: Node) -> bool:
-        return isinstance(p, Shard) and labels.get(node, ())[p.dim:p.dim + 1] == ("seq",)
+        return _seq_sharded(labels, p, node)
 
     options: dict[Node, list[Strategy]] = {}
     for node in g.nodes:
@@ -123,7 +215,7 @@ def enumerate_strategies(cap: Captured, tp: int, sequence_parallel) -> dict[Node
             if sequence_parallel is False:
                 opts = [s for s in opts if not seq_sharded(s.output, node)
                         and not any(seq_sharded(p, i) for p, i in zip(s.inputs, node.all_input_nodes))]
-            elif sequence_parallel is True and node.target is aten.layer_norm.default:
+            elif node in norms:
                 opts = [s for s in opts if seq_sharded(s.output, node)] or opts
             options[node] = opts
         elif node.op == "placeholder":
@@ -134,6 +226,9 @@ def enumerate_strategies(cap: Captured, tp: int, sequence_parallel) -> dict[Node
             for s in options.get(user, []):
                 wanted.update(p for p, i in zip(s.inputs, user.all_input_nodes) if i is node)
         options[node] = [Strategy((), p) for p in sorted(wanted, key=str)]
+    refused = _sequence_refusal(cap, tp, options) if forced else None
+    if refused:
+        say_once(("sequence parallel", refused), g, "autopar: " + refused, stacklevel=3)
     return {n: [shared.setdefault(s, s) for s in opts] for n, opts in options.items()}
 
 

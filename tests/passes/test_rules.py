@@ -778,3 +778,47 @@ def test_rope_ops_have_sharded_strategies():
     assert {n.target for n in nodes} == rope_ops
     for n in nodes:
         assert any(isinstance(s.output, Shard) for s in options[n]), (n.name, [str(s) for s in options[n]])
+
+
+# ---- grouped-query attention's repeat_interleave and torch's RMSNorm ----------------------------
+
+class _Gqa(nn.Module):
+    """Grouped-query attention's key/value heads repeated by ``repeat_interleave`` (on the heads, and
+    flattened; a chunk makes two interleaved groups a strategy too), and torch's RMSNorm with and
+    without a weight, over a dim that tp=2 splits unevenly."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(32, 32))
+        self.norm = nn.Parameter(torch.rand(16) + 0.5)
+
+    def forward(self, x, y):                                               # (B, T, 32), (B, T, 3, 16)
+        kv = F.linear(x, self.w).view(BATCH, SEQ, 4, 8).transpose(1, 2)    # (B, 4 kv heads, T, hd)
+        heads = kv.repeat_interleave(2, dim=1)                             # (B, 8 heads, T, hd)
+        first, second = kv.chunk(2, dim=1)
+        flat = kv.repeat_interleave(2)                                     # (B * 4 * T * hd * 2,)
+        plain = F.rms_norm(x, (32,))
+        weighted = F.rms_norm(y, (16,), self.norm, 1e-6)
+        return heads.sum() + first.sum() + second.sum() + flat.sum() + plain.sum() + weighted.sum()
+
+
+def _gqa() -> Captured:
+    torch.manual_seed(0)
+    return capture_pass(_Gqa(), (torch.randn(BATCH, SEQ, 32), torch.randn(BATCH, SEQ, 3, 16)))
+
+
+SOURCES["gqa"] = _gqa
+
+
+def test_gqa_ops_have_sharded_strategies():
+    """repeat_interleave keeps each rank's key/value heads (plain and interleaved), and torch's
+    RMSNorm runs on sequence shards: both have a rule with the strategies that matter."""
+    cap = _captured("gqa")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        options = enumerate_strategies(cap, 2, "auto")
+    assert not [str(w.message) for w in caught if "no sharding rule" in str(w.message)]
+    heads = next(n for n in cap.gm.graph.nodes if n.target is aten.repeat_interleave.self_int)
+    assert {str(s) for s in options[heads]} >= {"(S(1)) -> S(1)", "(S(1)i2) -> S(1)i2", "(P) -> P"}
+    norms = [n for n in cap.gm.graph.nodes if n.target is aten.rms_norm.default]
+    assert len(norms) == 2 and all(any(s.output == Shard(1) for s in options[n]) for n in norms)
