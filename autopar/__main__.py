@@ -235,8 +235,9 @@ def _plan(args) -> int:
                             keep_gathered=_keep_gathered(args.keep_gathered), cp_attention=args.cp_attention)
     plan = dataclasses.replace(plan, model=args.config)   # lets `diff` re-derive it
     print(plan.summary())
-    for warning in plan.warnings:   # the summary's last lines too, but stdout may go to a file
-        print(f"warning: {warning}", file=sys.stderr)
+    if not _same_destination(sys.stdout, sys.stderr):   # the summary's last lines, for stdout sent to a file
+        for warning in plan.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
     if args.out:
         plan.to_json(args.out)
         print(f"plan written to {args.out}")
@@ -245,6 +246,17 @@ def _plan(args) -> int:
         print(f"plan view written to {args.html}")
     print(f"planned {args.config} (batch {args.batch}, seq {seq}) in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _same_destination(a, b) -> bool:
+    """Whether streams ``a`` and ``b`` write to the same file, pipe or terminal (both to the
+    terminal, or ``2>&1``): one of them then shows everything printed to either."""
+    import os
+
+    try:
+        return os.path.samestat(os.fstat(a.fileno()), os.fstat(b.fileno()))
+    except (AttributeError, OSError, ValueError):   # no file behind one of them (an io.StringIO)
+        return False
 
 
 def _mesh(text: str):
@@ -280,11 +292,13 @@ def _rederived(plan, model, device):
     import torch
 
     import autopar
+    from autopar.mesh import Mesh
 
     dp, _, _ = plan.mesh
     inputs = tuple(torch.empty(s[0] * dp * plan.microbatches, *s[1:], dtype=torch.long, device="meta")
                    for s in plan.input_shapes)
-    return autopar.plan(model, plan.mesh, inputs, plan=plan, device=device or plan.device)
+    # the whole mesh, HSDP's split of dp and cp included: a plan runs only on its own
+    return autopar.plan(model, Mesh.of_plan(plan), inputs, plan=plan, device=device or plan.device)
 
 
 def _diff(args) -> int:

@@ -21,6 +21,9 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from autopar.mesh import Mesh
+from autopar.plans import held_shape
+
 _STAGE_COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#e15759", "#76b7b2", "#edc948", "#9c755f")
 _MEMORY_PARTS = (("params", "#4e79a7"), ("grads", "#f28e2b"), ("optimizer", "#59a14f"),
                  ("activations", "#e15759"), ("transient", "#b07aa1"))
@@ -204,7 +207,7 @@ def _mesh_fact(plan) -> tuple[str, str]:
 
 
 def _header(plan) -> str:
-    dp, pp, tp = plan.mesh
+    pp = plan.mesh[1]
     n_params = sum(math.prod(p.shape) for p in plan.parameters)
     totals: dict[tuple[str, str], int] = {}
     for c in plan.collectives:
@@ -225,7 +228,7 @@ def _header(plan) -> str:
     cells = "".join(f'<div class="fact"><b>{_e(k)}</b>{_e(v)}</div>' for k, v in facts)
     notes = "".join(f"<li>{_e(n)}</li>" for n in plan.notes)
     warnings = "".join(f"<li>{_e(w)}</li>" for w in plan.warnings)
-    return (f"<header><h1>autopar plan: dp={dp} pp={pp} tp={tp} on {_e(plan.device)}</h1>"
+    return (f"<header><h1>autopar plan: {_e(_mesh_title(plan))} on {_e(plan.device)}</h1>"
             f'<div class="facts">{cells}</div>' + (f"<ul class='warn'>{warnings}</ul>" if warnings else "")
             + (f"<ul class='muted'>{notes}</ul>" if notes else "") + "</header>")
 
@@ -318,22 +321,30 @@ def _parameters(plan) -> str:
         colour = _STAGE_COLOURS[stage_modules.get(owner, 0) % len(_STAGE_COLOURS)]
         cells = "".join(f"<td>{_placement(p.placements[a]) if a in p.placements else ''}</td>" for a in axes)
         tied = f"tied: {', '.join(p.aliases)}" if p.aliases else ""
+        held = list(held_shape(p, plan.zero, plan.dp_shard))   # under ZeRO-2/3 this rank's dp shard of it
         rows.append(f'<tr data-param="{_e(p.fqn)}"><td class="m" style="border-left:5px solid {colour}">{_e(p.fqn)}</td>'
-                    f'<td class="m">{_e(list(p.shape))}</td>{cells}<td class="m">{_e(list(p.local_shape))}</td>'
+                    f'<td class="m">{_e(list(p.shape))}</td>{cells}<td class="m">{_e(held)}</td>'
                     f'<td class="muted">{_e(tied)}</td></tr>')
     head = "".join(f"<th>{_e(a)}</th>" for a in axes)
-    return ("<h2>Parameters</h2><p class='muted'>Placement per mesh axis (dp shows ZeRO sharding); "
+    sharded = plan.zero >= 2 and plan.dp_shard > 1
+    held = "; local shape: this rank's ZeRO dp shard of rows of its tp shard" if sharded else ""
+    return ("<h2>Parameters</h2><p class='muted'>Placement per mesh axis (dp shows ZeRO sharding" + held + "); "
             "S(d)ik interleaved: dim d is k blocks (fused q, k, v) and each rank holds its slice of each. "
             "Left edge: colour of the stage holding it.</p>"
             f"<table><tr><th>parameter</th><th>global shape</th>{head}<th>local shape</th><th></th></tr>"
             f"{''.join(rows)}</table>")
 
 
+def _mesh_title(plan) -> str:
+    """The mesh as the summary's first line writes it: "dp=4 (2 replicas x 2 shards) pp=1 cp=2 tp=2"."""
+    mesh = Mesh.of_plan(plan)
+    return f"{mesh.dp_text()} pp={mesh.pp}{mesh.cp_text()} tp={mesh.tp}"
+
+
 def render(plan) -> str:
     """The plan as a complete, self-contained HTML document (no network needed to view it)."""
-    dp, pp, tp = plan.mesh
     return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-            f"<title>autopar plan: dp={dp} pp={pp}{f' cp={plan.cp}' if plan.cp > 1 else ''} tp={tp} ({_e(plan.device)})</title>"
+            f"<title>autopar plan: {_e(_mesh_title(plan))} ({_e(plan.device)})</title>"
             f"<style>{_CSS}</style><script>{_JS}</script></head><body><main>"
             f"{_header(plan)}{_model(plan)}{_memory(plan)}{_parameters(plan)}"
             "</main></body></html>\n")

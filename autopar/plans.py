@@ -13,6 +13,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from autopar.collectives import CP_ATTENTIONS
+from autopar.cost_model.stages import INTERLEAVED, SCHEDULES
 from autopar.cost_model.step import step_time
 from autopar.errors import PlanFormatError
 from autopar.mesh import AXIS_ORDER, Mesh
@@ -25,6 +26,18 @@ OFFLOADS = ("none", "optimizer")
 PRECISION_NOTES = {"fp32": "fp32",
                    "bf16": "bf16 compute, fp32 master weights and reductions",
                    "fp16": "fp16 compute, fp32 master weights and reductions, dynamic loss scaling"}
+
+# what a plan's recompute says: "auto" is the per-block choice recompute="auto" made (its regions)
+RECOMPUTES = ("none", "selective", "full", "auto")
+
+# the fields a plan chooses from a list: the values each may take, and what they mean
+_CHOICES = {"zero": ((0, 1, 2, 3), " (the ZeRO stage: 1 shards the optimizer state over dp, 2 the gradients too, "
+                                   "3 the weights too)"),
+            "schedule": (SCHEDULES, " (the pipeline schedule)"),
+            "recompute": (RECOMPUTES, ""),
+            "precision": (tuple(PRECISION_NOTES), " (the compute dtype)"),
+            "offload": (OFFLOADS, ""),
+            "cp_attention": (CP_ATTENTIONS, " (how attention runs over cp)")}
 
 
 @dataclass(frozen=True)
@@ -131,22 +144,24 @@ class Plan:
         return self.mesh[0] // self.dp_replicate
 
     def __post_init__(self):
-        if self.precision not in PRECISION_NOTES:
-            raise PlanFormatError(f"plan.precision {self.precision!r}: expected "
-                                  f"{', '.join(map(repr, PRECISION_NOTES))}")
-        if self.offload not in OFFLOADS:
-            raise PlanFormatError(f"plan.offload {self.offload!r}: expected {', '.join(map(repr, OFFLOADS))}")
-        if self.dp_replicate < 1 or self.mesh[0] % self.dp_replicate:
+        """Refuse what autopar cannot run as written (a hand-edited file, a Plan built by hand): a
+        PlanFormatError naming the field, its value and the values it may take."""
+        if len(self.mesh) != 3 or not all(_positive(n) for n in self.mesh):
+            raise PlanFormatError(f"plan.mesh {list(self.mesh)}: expected [dp, pp, tp], three positive integers")
+        for name, (valid, meaning) in _CHOICES.items():   # before the checks of their combinations below
+            value = getattr(self, name)
+            if isinstance(value, bool) or value not in valid:
+                raise PlanFormatError(f"plan.{name} {value!r}: expected {_one_of(valid)}{meaning}")
+        for name, meaning in (("virtual_stages", "pipeline stages per pp rank"), ("microbatches", "per step"),
+                              ("cp", "the context-parallel degree"), ("dp_replicate", "HSDP's replicas")):
+            if not _positive(getattr(self, name)):
+                raise PlanFormatError(f"plan.{name} {getattr(self, name)!r}: expected a positive integer ({meaning})")
+        if self.mesh[0] % self.dp_replicate:
             raise PlanFormatError(f"plan.dp_replicate {self.dp_replicate}: expected a positive divisor of "
                                   f"dp={self.mesh[0]} (dp = dp_replicate x dp_shard)")
-        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
-            raise PlanFormatError(f"plan.cp {self.cp!r}: expected a positive integer (the context-parallel degree)")
-        if self.cp_attention not in CP_ATTENTIONS:
-            raise PlanFormatError(f"plan.cp_attention {self.cp_attention!r}: expected "
-                                  f"{' or '.join(map(repr, CP_ATTENTIONS))}")
-        why = offload_limit(self.offload, self.precision, self.zero, self.mesh, self.microbatches)
+        why = _combination_refused(self)
         if why:
-            raise PlanFormatError(f"plan.offload: {why}")
+            raise PlanFormatError(why)
 
     @property
     def predicted_step_time(self) -> float:
@@ -273,11 +288,12 @@ class Plan:
                  f"precision {PRECISION_NOTES[self.precision]}{_cp_attention_text(self.cp, self.cp_attention)}",
                  "  placements: R replicated, P partial sum, S(d) sharded on dim d, "
                  "S(d)ik interleaved: dim d is k blocks (fused q,k,v) and each rank holds its slice of each",
-                 "", "Parameters (placement per axis, local shape):"]
+                 "", f"Parameters (placement per axis, local shape{_held_text(self.zero, mesh)}):"]
         for p in _collapse_layers(self.parameters):
             pl = " ".join(f"{a}={v}" for a, v in p.placements.items())
             alias = f"  (tied: {', '.join(p.aliases)})" if p.aliases else ""
-            lines.append(f"  {p.fqn:44s} {str(list(p.shape)):16s} {pl:22s} {list(p.local_shape)}{alias}")
+            held = list(held_shape(p, self.zero, mesh.dp_shard))
+            lines.append(f"  {p.fqn:44s} {str(list(p.shape)):16s} {pl:22s} {held}{alias}")
         lines += ["", "Collectives per step (count, MiB, by place):"]
         for c in _collapse_collectives(self.collectives):
             lines.append(f"  {c.where or '(top level)':44s} {c.phase:4s} {c.kind:15s} {c.axis:3s} x{c.count:<5d} "
@@ -311,6 +327,39 @@ class Plan:
         lines += [f"Note: {n}" for n in self.notes]
         lines += [f"Warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+def _positive(n) -> bool:
+    """Whether ``n`` is a positive integer (a bool is not)."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+
+def _one_of(valid) -> str:
+    """``valid`` as a sentence's list: "'a', 'b' or 'c'"."""
+    shown = list(map(repr, valid))
+    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
+
+
+def _combination_refused(plan: Plan) -> str | None:
+    """Why ``plan``'s choices, each valid alone, cannot run together (a sentence naming the field and
+    the fix), or None: the checks ``autopar.plan`` makes of its knobs, made of a plan's fields."""
+    pp = plan.mesh[1]
+    if plan.virtual_stages > 1 and plan.schedule not in INTERLEAVED:
+        return (f"plan.virtual_stages {plan.virtual_stages}: schedule {plan.schedule} runs one stage per pp rank; "
+                f"set virtual_stages to 1, or the schedule to {_one_of(INTERLEAVED)}")
+    if pp > 1 and plan.microbatches < pp:
+        return (f"plan.microbatches {plan.microbatches}: fewer than the pp={pp} pipeline stages; use at least {pp} "
+                "so every stage has work")
+    if plan.schedule in INTERLEAVED and plan.microbatches % pp:
+        return f"plan.microbatches {plan.microbatches}: {plan.schedule} needs a multiple of pp={pp}"
+    if plan.cp == 1 and plan.cp_attention != "allgather":
+        return (f"plan.cp_attention {plan.cp_attention!r} chooses how attention runs over cp, but this plan has "
+                "cp=1; set it to 'allgather' (or re-plan on a mesh with a cp axis)")
+    if plan.keep_gathered and plan.zero != 3:
+        return (f"plan.keep_gathered lists {', '.join(plan.keep_gathered)}, but only zero=3 reshards units "
+                f"(this plan has zero={plan.zero}); empty it or set zero to 3")
+    why = offload_limit(plan.offload, plan.precision, plan.zero, plan.mesh, plan.microbatches)
+    return f"plan.offload: {why}" if why else None
 
 
 def _cp_attention_text(cp: int, attention: str) -> str:
@@ -393,6 +442,57 @@ def zero_on_mesh(zero: int, mesh: Mesh) -> tuple[int, tuple[str, ...]]:
         return 0, (f"{mesh.dp_text()}, but zero=0 shards nothing: the gradients are all-reduced over all "
                    f"{mesh.dp} dp ranks; zero=1-3 shard over dp_shard and all-reduce across dp_replicate",)
     return zero, ()
+
+
+def standing_notes(given: tuple[str, ...], plan, derived: tuple[str, ...]) -> tuple[str, ...]:
+    """The notes of ``plan`` (its fields, as attributes) re-derived from a plan file whose notes were
+    ``given``, its re-derivation having written ``derived``: ``given`` in order, less what an edit
+    by hand made untrue, then what ``derived`` adds. Untrue: a note on a choice the planner made
+    automatically (zero, offload, cp attention, the units kept gathered) that ``plan`` no longer
+    makes, and a note of ``zero_on_mesh`` (each says why a plan runs at zero=0) when the plan's
+    zero is no longer 0 or the re-derivation wrote another one in its place."""
+    mesh = Mesh.of_plan(plan)
+    on_mesh = {n for zero in range(4) for n in zero_on_mesh(zero, mesh)[1]}
+    replaced = plan.zero != 0 or any(n in on_mesh for n in derived)
+    kept = [n for n in given if _holds(n, plan) and (n not in on_mesh or n in derived or not replaced)]
+    return tuple(kept + [n for n in derived if n not in kept])
+
+
+def _holds(note: str, plan) -> bool:
+    """False for a note on a choice the planner made automatically that ``plan`` no longer makes (its
+    words are those ``autopar.planner.decide`` writes), True for any other note."""
+    m = re.match(r"(zero|offload) chosen automatically: \1=(\w+)", note)
+    if m:
+        return str(getattr(plan, m[1])) == m[2]
+    m = re.match(r"cp attention(?: chosen automatically)?: (\w+)", note)
+    if m:
+        return plan.cp_attention == m[1]
+    m = re.match(r"keep_gathered chosen automatically: (?:none\b|(\d+) of \d+ units \((.*?)\) keep)", note)
+    if m:
+        kept = tuple(plan.keep_gathered)
+        if m[1] is None:
+            return not kept
+        # the note lists at most four units, else the first and the last
+        return bool(kept) and len(kept) == int(m[1]) and m[2] in (", ".join(kept), f"{kept[0]} .. {kept[-1]}")
+    return True
+
+
+def _held_text(zero: int, mesh: Mesh) -> str:
+    """What the summary's local shapes are where ZeRO shards over dp (nothing elsewhere)."""
+    if not zero or mesh.dp_shard == 1:
+        return ""
+    if zero == 1:
+        return ": the weights' whole tp shard; ZeRO-1's dp S(0) is the optimizer state's"
+    return f": this rank's ZeRO-{zero} dp shard, ceil(rows / {mesh.dp_shard}) rows of the tp shard"
+
+
+def held_shape(p: ParamPlan, zero: int, dp_shard: int) -> tuple[int, ...]:
+    """The shape of ``p`` one rank holds: its tp shard (``local_shape``), of which ZeRO-2/3 keep only
+    this rank's dp shard of rows, ceil(rows / dp_shard) of them, the last shard zero-padded
+    (``autopar.passes.zero``)."""
+    if zero < 2 or dp_shard == 1 or not p.local_shape:
+        return p.local_shape
+    return (-(-p.local_shape[0] // dp_shard), *p.local_shape[1:])
 
 
 def _kept_gathered(units: tuple[str, ...]) -> str:

@@ -89,9 +89,11 @@ def test_header_shows_hsdp_and_cp(model):
     hsdp = autopar.plan(model, {"dp_replicate": 2, "dp_shard": 4, "pp": 1, "tp": 2}, inputs, device="h100", zero=3)
     text = hsdp.to_html()
     assert "<b>mesh (dp_replicate x dp_shard, pp, tp)</b>(2x4, 1, 2) = 16 GPUs" in text
+    assert "<h1>autopar plan: dp=8 (2 replicas x 4 shards) pp=1 tp=2 on h100</h1>" in text
     assert "ZeRO shards over the 4 ranks of a replica and all-reduces across 2 replicas" in text
     cp = autopar.plan(model, {"dp": 1, "cp": 2, "pp": 1, "tp": 2}, inputs, device="h100").to_html()
     assert "<b>mesh (dp, pp, cp, tp)</b>(1, 1, 2, 2) = 4 GPUs, each sequence split over cp=2 ranks" in cp
+    assert "<h1>autopar plan: dp=1 pp=1 cp=2 tp=2 on h100</h1>" in cp and "<title>autopar plan: dp=1 pp=1 cp=2 tp=2" in cp
     assert "HSDP" not in cp
 
 

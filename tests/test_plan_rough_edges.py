@@ -1,5 +1,6 @@
 """What a plan says about itself: idle axes, a peak above the device, gradient bytes, the device's
-peak, an edited plan's source, diffs of re-derived plans, and a shard of a dim a weight lacks."""
+peak, an edited plan's source, diffs of re-derived plans (cp and HSDP ones too), a shard of a dim a
+weight lacks, a CLI warning printed once, and the local shapes a rank holds under ZeRO."""
 from __future__ import annotations
 
 import json
@@ -174,3 +175,69 @@ def test_html_shows_the_warnings(tiny):
     model, x = tiny
     page = autopar.plan(model, (1, 1, 2), x, device="cpu").to_html()
     assert "<ul class='warn'><li>tp=2 does no work" in page
+
+
+@pytest.mark.parametrize("mesh, flags", [("dp=2,cp=2,tp=1", []), ("dp_replicate=2,dp_shard=2,tp=1", ["--zero", "3"])])
+def test_diff_of_a_cp_or_hsdp_plan(tmp_path, mesh, flags):
+    """Re-derived on its own mesh (cp and dp's split included), a plan diffs clean against itself,
+    and an edit of it shows."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    r = _autopar("plan", "tiny", "--mesh", mesh, "--device", "cpu", *flags, "--out", str(a))
+    assert r.returncode == 0, r.stderr
+    r = _autopar("diff", str(a), str(a))
+    assert (r.returncode, r.stdout.strip()) == (0, "no differences"), r.stdout + r.stderr
+    data = json.loads(a.read_text())
+    if data["cp"] > 1:
+        edit = {"cp_attention": "ring" if data["cp_attention"] == "allgather" else "allgather"}
+    else:
+        edit = {"keep_gathered": []}
+    b.write_text(json.dumps(dict(data, **edit)))
+    r = _autopar("diff", str(a), str(b))
+    [(field, value)] = edit.items()
+    assert r.returncode == 1 and f"{field}: " in r.stdout and "Traceback" not in r.stderr, r.stdout + r.stderr
+
+
+def _plan_cli_to(stdout, stderr):
+    """`plan tiny --mesh 1,1,2 --device cpu` (tp=2 does no work there) with its two streams going to ``stdout``
+    and ``stderr``, files of this process."""
+    import contextlib
+    import warnings
+
+    from autopar.__main__ import main
+
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return main(["plan", "tiny", "--mesh", "1,1,2", "--device", "cpu"])
+
+
+def test_a_cli_warning_is_printed_once_where_both_streams_meet(tmp_path):
+    """Both streams to one place (a terminal, `2>&1`): the summary's warning alone; stdout to a file: the
+    warning on stderr too."""
+    with open(tmp_path / "both.txt", "w") as both:
+        assert _plan_cli_to(both, both) == 0
+    text = (tmp_path / "both.txt").read_text()
+    assert text.count("tp=2 does no work") == 1 and "Warning: tp=2 does no work" in text, text
+    with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
+        assert _plan_cli_to(out, err) == 0
+    assert "Warning: tp=2 does no work" in (tmp_path / "out.txt").read_text()
+    assert "warning: tp=2 does no work" in (tmp_path / "err.txt").read_text()
+
+
+def test_summary_local_shape_is_what_a_rank_holds_under_zero(tiny):
+    """ZeRO-2/3 hold a dp shard of each tp shard's rows (ceil, padded): the summary and the page show that
+    shape; ZeRO-1 keeps the weights whole and says its dp S(0) is the optimizer state's."""
+    model, x = tiny
+    line = re.compile(r"^  transformer\.h\.\*\.mlp\.c_fc\.weight \(x2\)\s+\[128, 32\]\s+dp=S\(0\) tp=R\s+(\[.*\])$",
+                      re.M)
+    for zero, held in ((3, "[43, 32]"), (2, "[43, 32]"), (1, "[128, 32]")):
+        plan = autopar.plan(model, (3, 1, 1), example_inputs(model.config, 6, device="meta"), device="cpu", zero=zero)
+        text = plan.summary()
+        m = line.search(text)
+        assert m and m.group(1) == held, text
+        assert plan.param("transformer.h.0.mlp.c_fc.weight").local_shape == (128, 32)   # what the runtime reads
+        if zero > 1:
+            assert f"local shape: this rank's ZeRO-{zero} dp shard, ceil(rows / 3) rows of the tp shard" in text
+            row = re.search(r'<tr data-param="transformer\.h\.0\.mlp\.c_fc\.weight">.*?</tr>', plan.to_html())
+            assert row and row.group(0).endswith(f'<td class="m">{held}</td><td class="muted"></td></tr>'), row
+        else:
+            assert "ZeRO-1's dp S(0) is the optimizer state's" in text

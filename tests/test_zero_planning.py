@@ -163,8 +163,10 @@ def test_the_keep_gathered_knob(gpt, resharded):
     assert _peak(none) == pytest.approx(_peak(resharded))
     named = autopar.plan(model, MESH, x, device="h100", zero=3, keep_gathered=["transformer.h.3"])
     assert named.keep_gathered == ("transformer.h.3",)
-    assert autopar.plan(model, MESH, x, device="h100", zero=1, keep_gathered=["transformer.h.3"]).keep_gathered == ()
-    with pytest.raises(PlanFormatError, match="keep_gathered=: the model has no unit transformer.h.99"):
+    with pytest.raises(ValueError, match=r"only zero=3 reshards units \(zero=1 here\); use zero=3"):
+        autopar.plan(model, MESH, x, device="h100", zero=1, keep_gathered=["transformer.h.3"])
+    with pytest.raises(PlanFormatError, match=r"keep_gathered=\['transformer.h.99'\]: the model has no unit "
+                                              "transformer.h.99"):
         autopar.plan(model, MESH, x, device="h100", zero=3, keep_gathered=["transformer.h.99"])
     with pytest.raises(ValueError, match="keep_gathered='some'"):
         autopar.plan(model, MESH, x, device="h100", zero=3, keep_gathered="some")
