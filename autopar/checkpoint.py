@@ -27,6 +27,17 @@ writer per box; a weight held by several pipeline stages (GPT's tied embedding) 
 from its owning stage, since each stage's ZeRO slices cut it differently. On load each rank asks
 for its own boxes and DCP reads the overlapping parts of the saved ones: that is the resharding.
 
+Parameter groups need nothing more: each parameter's entries carry its own group's options, and
+a ZeRO-1 slice stepped in groups (``zero.SliceOptimizer``) is written run by run, each run's state
+as the part of the slice it covers; a load hands each group of the optimizer the options saved for
+its parameters (refused where the checkpoint kept them in groups of different options).
+
+A damaged checkpoint is named, not left to DCP's internals: the index (``.metadata``) must unpickle,
+and every file it lists must exist and be as long as the data it places there, before anything is
+read; a file that then fails to deserialize (overwritten bytes) is reported with its name, by every
+rank (``CheckpointCorruptError``). Bytes changed inside a tensor's data go unnoticed: DCP keeps no
+checksums.
+
 DTensor is not used for the boxes: a rank's pieces of one tensor (three for QKV, several for a
 ZeRO slice) are not the single regular chunk a DTensor placement describes, and pipeline stages
 hold different subsets of the parameters. The boxes go to DCP as chunk metadata through a small
@@ -37,19 +48,21 @@ from __future__ import annotations
 import io
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadItem, SavePlan, TensorWriteData,
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.futures import Future
 
 from autopar.runtime.parallel_model import ParallelModel
 from autopar.runtime.zero import Zero1Optimizer
@@ -62,6 +75,10 @@ _STEP, _EXTRA, _ALIASES, _SCALER = _META + "step", _META + "extra", _META + "ali
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint whose tensors do not fit the model or optimizer; the message names them."""
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint with a file missing, cut short or unreadable; the message names the file."""
 
 
 @dataclass
@@ -246,24 +263,33 @@ def _check_state_shape(fqn: str, name: str, value, param: torch.Tensor) -> None:
                          "state is shaped like the parameter (SGD, Adam, AdamW, ...)")
 
 
+def _zero_parts(pm: ParallelModel, optimizer) -> list[tuple[str, torch.Tensor, int | None, int]]:
+    """ZeRO-1: (FQN, local shard, index of the slice's range that holds part of it or None, where
+    that range starts in the shard's flattened elements) per parameter the optimizer steps."""
+    zero, sliced = optimizer.zero, optimizer.sliced
+    out = []
+    for (fqn, p), at in zip(pm.named_parameters(), zero.offsets):
+        if fqn in sliced.group_of:
+            i = sliced.piece_of(at - zero.lo, at - zero.lo + p.numel())
+            out.append((fqn, p, i, zero.lo + sliced.ranges[i][1] - at if i is not None else 0))
+    return out
+
+
 def _optimizer_state_to_save(pm: ParallelModel, optimizer) -> dict:
     """The optimizer's state and hyperparameters as checkpoint entries (owned parameters only)."""
     sd, layouts, out = optimizer.state_dict(), _layouts(pm), {}
-    params = dict(pm.named_parameters())
     if isinstance(optimizer, Zero1Optimizer):
-        zero = optimizer.zero
-        state = sd["state"].get(0, {})
-        hyper = _hyperparameters(sd["param_groups"][0])
-        for (fqn, p), at in zip(params.items(), zero.offsets):
+        sliced = optimizer.sliced
+        for fqn, p, i, begin in _zero_parts(pm, optimizer):
             if not pm.owns(fqn):
                 continue
-            out[f"{_OPTIM}{fqn}/group"] = hyper
-            for name, value in state.items():
-                _check_state_shape(fqn, name, value, zero.shard)
-                if _is_scalar(name, value, zero.shard):
+            out[f"{_OPTIM}{fqn}/group"] = _hyperparameters(sd["param_groups"][sliced.group_of[fqn]])
+            for name, value in (sd["state"].get(i, {}) if i is not None else {}).items():
+                _check_state_shape(fqn, name, value, sliced.pieces[i])
+                if _is_scalar(name, value, sliced.pieces[i]):
                     out[f"{_OPTIM}{fqn}/scalar/{name}"] = value
                     continue
-                boxes = _slice_boxes(layouts[fqn], tuple(p.shape), value.detach(), zero.lo - at)
+                boxes = _slice_boxes(layouts[fqn], tuple(p.shape), value.detach(), begin)
                 if boxes.views:
                     out[f"{_OPTIM}{fqn}/state/{name}"] = boxes
         return out
@@ -323,7 +349,8 @@ def _request_optimizer_state(pm: ParallelModel, optimizer, md, want: dict, path)
 
 
 def _request_zero_state(pm: ParallelModel, optimizer, md, want: dict, path, fqns: list[str]):
-    """ZeRO-1: one flat tensor per kind of state, each parameter's part read from its global entry."""
+    """ZeRO-1: one flat tensor per kind of state and range of the slice (one range without
+    parameter groups), each parameter's part read from its global entry."""
     saved = _saved_optimizer_entries(md)
     names = {fqn: saved.get(fqn, ({}, [])) for fqn in fqns}
     kinds = {fqn: (sorted(state), sorted(scalars)) for fqn, (state, scalars) in names.items()}
@@ -332,24 +359,35 @@ def _request_zero_state(pm: ParallelModel, optimizer, md, want: dict, path, fqns
         raise CheckpointMismatchError(f"checkpoint {path} holds optimizer state {kinds[odd[0]]} for {odd[0]} but "
                                       f"{kinds[fqns[0]]} for {fqns[0]}; with zero=1 every parameter needs the "
                                       "same kinds of state: load it with zero=0")
-    zero, layouts = optimizer.zero, _layouts(pm)
+    sliced, layouts = optimizer.sliced, _layouts(pm)
     state_md, scalars = names[fqns[0]]
-    flats = {name: torch.zeros(zero.chunk, dtype=m.properties.dtype, device=zero.shard.device)
-             for name, m in state_md.items()}
-    held = [fqn for fqn, _ in pm.named_parameters()]
-    for (fqn, p), at in zip(pm.named_parameters(), zero.offsets):
-        for name, flat in flats.items():
-            boxes = _slice_boxes(layouts[fqn], tuple(p.shape), flat, zero.lo - at)
+    flats = [{name: torch.zeros(b - a, dtype=m.properties.dtype, device=piece.device)
+              for name, m in state_md.items()} for (_, a, b), piece in zip(sliced.ranges, sliced.pieces)]
+    parts = _zero_parts(pm, optimizer)
+    for fqn, p, i, begin in parts:
+        for name, flat in (flats[i] if i is not None else {}).items():
+            boxes = _slice_boxes(layouts[fqn], tuple(p.shape), flat, begin)
             if boxes.views:
                 want[f"{_OPTIM}{fqn}/state/{name}"] = boxes
-    for name in scalars:
-        want[f"{_OPTIM}{held[0]}/scalar/{name}"] = None
-    current = optimizer.state_dict()["param_groups"][0]
+    # where each range reads its scalar state (AdamW's step): a parameter it holds part of, else
+    # (a slice of padding only) any parameter of its group
+    source = []
+    for j, (g, _, _) in enumerate(sliced.ranges):
+        holders = [f for f, _, i, _ in parts if i == j] or [f for f, _, _, _ in parts if sliced.group_of[f] == g]
+        source.append(holders[:1])
+        want.update({f"{_OPTIM}{fqn}/scalar/{name}": None for fqn in holders[:1] for name in scalars})
+    current = optimizer.state_dict()["param_groups"]
 
     def finish():
-        state = {**flats, **{n: want[f"{_OPTIM}{held[0]}/scalar/{n}"] for n in scalars}}
-        group = _checked_group(current, want[f"{_OPTIM}{held[0]}/group"], path)
-        optimizer.load_state_dict({"state": {0: state} if state else {}, "param_groups": [{**group, "params": [0]}]})
+        state = {}
+        for j, holder in enumerate(source):
+            s = {**flats[j], **{n: want[f"{_OPTIM}{fqn}/scalar/{n}"] for fqn in holder for n in scalars}}
+            if s:
+                state[j] = s
+        members = [[f for f, _, _, _ in parts if sliced.group_of[f] == k] for k in range(len(current))]
+        groups = [{**_checked_group(group, _saved_hyperparameters(want, held, group, path), path),
+                   "params": group["params"]} for group, held in zip(current, members)]
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
     return finish
 
 
@@ -378,10 +416,33 @@ def _request_plain_state(pm: ParallelModel, optimizer, md, want: dict, path):
                 s = {**tensors, **{n: want[f"{_OPTIM}{fqn}/scalar/{n}"] for n in scalars}}
                 if s:
                     state[index] = s
-            hyper = want[f"{_OPTIM}{group[0][1]}/group"] if group else _hyperparameters(group_sd)
+            hyper = _saved_hyperparameters(want, [fqn for _, fqn, _, _ in group], group_sd, path)
             groups.append({**_checked_group(group_sd, hyper, path), "params": group_sd["params"]})
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     return finish
+
+
+def _saved_hyperparameters(want: dict, fqns: list[str], current: dict, path) -> dict:
+    """The hyperparameters the checkpoint saved for one parameter group of the optimizer, from its
+    members ``fqns`` (all saved in one group), or the current ones for a group without members here."""
+    if not fqns:
+        return _hyperparameters(current)
+    saved = {fqn: want[f"{_OPTIM}{fqn}/group"] for fqn in fqns}
+    first = fqns[0]
+    other = next((f for f in fqns if _differences(saved[f], saved[first])), None)
+    if other is not None:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} holds {first} and {other} in parameter groups with different options "
+            f"({_differences(saved[first], saved[other])}), but this optimizer puts them in one group; build it "
+            "with the parameter groups the checkpoint was saved with")
+    return saved[first]
+
+
+def _differences(a: dict, b: dict) -> str:
+    """The options two groups set apart, compared by their repr (a tensor, such as a capturable lr,
+    by its printed value), or ""."""
+    return ", ".join(f"{k}={a.get(k)!r} against {b.get(k)!r}" for k in sorted(set(a) | set(b))
+                     if repr(a.get(k)) != repr(b.get(k)))
 
 
 def _checked_group(current: dict, saved: dict, path) -> dict:
@@ -408,6 +469,8 @@ def _model_tensors(pm: ParallelModel, *, owned_only: bool) -> dict[str, _Boxes]:
 
 
 def _read_metadata(path):
+    """The checkpoint's index (``state_dict_metadata``), once every file it lists is there and long
+    enough for what the index places in it."""
     p = Path(path)
     if not p.is_dir():
         raise FileNotFoundError(f"no checkpoint at {p}: the directory does not exist; pass the directory "
@@ -415,7 +478,66 @@ def _read_metadata(path):
     if not (p / ".metadata").is_file():
         raise FileNotFoundError(f"{p} is not a complete checkpoint: it has no .metadata file (a save that "
                                 "did not finish leaves none); pass the directory that save_checkpoint wrote")
-    return FileSystemReader(p).read_metadata().state_dict_metadata
+    try:
+        metadata = FileSystemReader(p).read_metadata()
+    except OSError:
+        raise
+    except Exception as e:   # unpickling a damaged file raises nearly anything
+        raise _damaged(p, ".metadata", f"cannot be read ({_cause(e)})") from e
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise _damaged(p, ".metadata", f"holds a {type(metadata).__name__}, not a checkpoint's index")
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        f = p / name
+        if not f.is_file():
+            raise _damaged(p, name, "is missing")
+        if f.stat().st_size < end:
+            raise _damaged(p, name, f"is cut short: it holds {f.stat().st_size} bytes and the index (.metadata) "
+                                    f"places data up to byte {end}")
+    return metadata.state_dict_metadata
+
+
+def _damaged(path, name: str, what: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"checkpoint {path} is incomplete or corrupt: its file {name} {what}; save it "
+                                  "again, or load an earlier checkpoint")
+
+
+def _cause(e: Exception) -> str:
+    """``e`` in a few words: its type and the first sentence of its message."""
+    text = str(e).strip().split("\n")[0].split(". ")[0]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+class _Reader(FileSystemReader):
+    """DCP's file reader, one file at a time, so that a file that cannot be read is named."""
+
+    def read_data(self, plan: LoadPlan, planner) -> Future:
+        """Read ``plan``'s items file by file; one that fails raises CheckpointCorruptError naming it."""
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in per_file.items():
+            try:
+                super().read_data(replace(plan, items=items), planner).wait()
+            except Exception as e:
+                raise _damaged(self.path, name, f"cannot be read ({_cause(e)})") from e
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+
+def _load(want: dict, path, **kwargs) -> None:
+    """``dcp.load`` of ``want`` from ``path``; a damaged file (on any rank) raises its
+    CheckpointCorruptError on every rank, not DCP's collected tracebacks."""
+    try:
+        dcp.load(want, storage_reader=_Reader(str(path)), planner=_LoadPlanner(), **kwargs)
+    except CheckpointException as e:
+        damaged = [exc for _, (exc, _) in sorted(e.failures.items()) if isinstance(exc, CheckpointCorruptError)]
+        if damaged:
+            raise damaged[0] from None
+        raise
 
 
 def _check_model(pm: ParallelModel, md: dict, path) -> None:
@@ -463,14 +585,15 @@ def load_checkpoint(pm: ParallelModel, optimizer, path) -> dict:
     place (all ranks call it); returns ``{"step": int, "extra": ...}`` as saved.
 
     ``optimizer`` may be None (weights only). A checkpoint that does not fit the model raises
-    CheckpointMismatchError naming the parameter; a missing one raises FileNotFoundError."""
+    CheckpointMismatchError naming the parameter; a missing one raises FileNotFoundError; one with a
+    file missing, cut short or unreadable, CheckpointCorruptError naming the file."""
     md = _read_metadata(path)
     _check_model(pm, md, path)
     want: dict = _model_tensors(pm, owned_only=False)
     finish = _request_optimizer_state(pm, optimizer, md, want, path) if optimizer is not None else None
     want.update({k: None for k in (_STEP, _EXTRA, _SCALER) if k in md})
     with torch.no_grad():
-        dcp.load(want, storage_reader=FileSystemReader(str(path)), planner=_LoadPlanner())
+        _load(want, path)
         pm.weights_loaded()
         if finish is not None:
             finish()
@@ -498,7 +621,7 @@ def export_state_dict(path_or_pm) -> dict[str, torch.Tensor]:
         want[_ALIASES] = None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(want, storage_reader=FileSystemReader(str(path_or_pm)), planner=_LoadPlanner(), no_dist=True)
+        _load(want, path_or_pm, no_dist=True)
     for fqn, names in (want.get(_ALIASES) or {}).items():
         for name in names:
             sd[name] = sd[fqn]

@@ -26,6 +26,7 @@ scalar loss: planning refuses anything else here (``require_loss``), before it s
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import warnings
 import weakref
@@ -108,6 +109,36 @@ def _module_path(node: Node) -> str:
     return path.replace("L['self'].", "").replace("L['self']", "")
 
 
+def example_args(model: torch.nn.Module, example_inputs) -> tuple:
+    """``example_inputs`` as the tuple of positional inputs ``model``'s forward is called with: a lone
+    tensor is a one-input tuple, a list a tuple. Raises ValueError, saying what forward takes and how
+    to pass it, when their number does not fit forward's signature (rather than export's "too many
+    positional arguments" from deep inside)."""
+    if isinstance(example_inputs, torch.Tensor):
+        args = (example_inputs,)
+    elif isinstance(example_inputs, (tuple, list)):
+        args = tuple(example_inputs)
+    else:
+        raise TypeError(f"example_inputs is a {type(example_inputs).__name__}; pass the forward's inputs as a tuple, "
+                        "e.g. example_inputs=(idx, targets)")
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):   # a forward without a signature Python can read: export will tell
+        return args
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    unbounded = any(p.kind is p.VAR_POSITIONAL for p in params)
+    if len(required) <= len(args) and (unbounded or len(args) <= len(positional)):
+        return args
+    takes = (f"{len(required)}" if len(required) == len(positional) else
+             f"{len(required)} to {len(positional)}") + (" inputs" if len(positional) != 1 else " input")
+    names = [p.name for p in (required if len(args) < len(required) else positional)]
+    spelled = ", ".join(p.name if p.default is p.empty else f"{p.name}={p.default!r}" for p in positional)
+    raise ValueError(f"{type(model).__name__}.forward({spelled}) takes {takes} but example_inputs gives "
+                     f"{len(args)}: pass example_inputs=({', '.join(names)}{',' * (len(names) == 1)}), a tuple "
+                     "with one value per input of forward")
+
+
 def capture_pass(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None, *,
                  require_loss: bool = False) -> Captured:
     """Export ``model(*example_inputs)`` to an FX graph annotated for planning (a long run of
@@ -119,6 +150,7 @@ def capture_pass(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=N
     from autopar.passes.block_capture import canonical_names, capture_repeated
     from autopar.passes.capture_cache import cached_capture, structure_key
 
+    example_inputs = example_args(model, example_inputs)
     if any(p.is_meta for p in model.parameters()):   # a model built on meta traces with meta inputs
         example_inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
     if dynamic_shapes is not None:

@@ -121,3 +121,68 @@ def test_vocab_not_divisible_by_tp_is_padded():
             torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6)
         wte = next(p for p in json.loads(plan)["parameters"] if p["fqn"] == "transformer.wte.weight")
         assert wte["shape"] == [95, 32] and wte["local_shape"] == [48, 32]
+
+
+class _Echo(torch.nn.Module):
+    """A model whose forward takes one input (it predicts each token itself): a lone tensor is its
+    whole example batch."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx):
+        return self.gpt(idx, idx)
+
+
+def _decisions(plan) -> dict:
+    """A plan's JSON without the solver's wall time, which differs between two plannings."""
+    data = json.loads(plan.to_json())
+    data.pop("solve_seconds")
+    return data
+
+
+def test_example_inputs_of_the_wrong_count_say_what_forward_takes():
+    """example_inputs=idx for forward(idx, targets) (or a third input) names forward's inputs and the fix."""
+    idx, tgt = example_inputs(TINY, BATCH, SEQ, device="meta")
+    with torch.device("meta"):
+        model = GPT(TINY)
+    fix = "pass example_inputs=(idx, targets)"
+    with pytest.raises(ValueError) as lone:
+        autopar.plan(model, (1, 1, 2), idx)
+    assert f"GPT.forward(idx, targets) takes 2 inputs but example_inputs gives 1: {fix}" in str(lone.value)
+    with pytest.raises(ValueError) as three:
+        autopar.plan(model, (1, 1, 2), (idx, tgt, tgt))
+    assert f"takes 2 inputs but example_inputs gives 3: {fix}" in str(three.value)
+    with pytest.raises(TypeError) as named:
+        autopar.plan(model, (1, 1, 2), {"idx": idx, "targets": tgt})
+    assert "pass the forward's inputs as a tuple" in str(named.value)
+
+
+def test_a_lone_tensor_or_a_list_is_taken_as_the_inputs_tuple():
+    idx, tgt = example_inputs(TINY, BATCH, SEQ, device="meta")
+    with torch.device("meta"):
+        echo, model = _Echo(GPT(TINY)), GPT(TINY)
+    lone = autopar.plan(echo, (2, 1, 1), idx)
+    assert lone.input_shapes == ((BATCH // 2, SEQ),)
+    assert _decisions(lone) == _decisions(autopar.plan(echo, (2, 1, 1), (idx,)))
+    listed = autopar.plan(model, (1, 1, 2), [idx, tgt])
+    assert _decisions(listed) == _decisions(autopar.plan(model, (1, 1, 2), (idx, tgt)))
+
+
+def _lone_tensor(rank, world):
+    """parallelize with example_inputs=idx: every rank gets the planner's sentence."""
+    idx, _ = example_inputs(TINY, BATCH, SEQ)
+    try:
+        autopar.parallelize(make_model(), (world, 1, 1), idx, compile=False)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+LONE_TENSOR = pool.job(2, _lone_tensor, timeout=120)
+
+
+def test_parallelize_checks_the_example_inputs_too():
+    for message in LONE_TENSOR.result():
+        assert message is not None and "takes 2 inputs but example_inputs gives 1" in message

@@ -8,14 +8,15 @@ mesh reads their checkpoints in a spawn of its own."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 import autopar
-from autopar.checkpoint import (CheckpointMismatchError, _flat_boxes, _global_pieces, _Layout, _slice_boxes,
-                                export_state_dict, load_checkpoint, save_checkpoint)
+from autopar.checkpoint import (CheckpointCorruptError, CheckpointMismatchError, _flat_boxes, _global_pieces, _Layout,
+                                _slice_boxes, export_state_dict, load_checkpoint, save_checkpoint)
 from autopar.examples.gpt import GPT, example_inputs
 from autopar.launch import spawn
 from autopar.placement import R, Shard, shard_tensor
@@ -223,3 +224,69 @@ def test_zero_slices_map_to_their_parameters():
     for f, (shape, pl) in params.items():
         assert torch.equal(rebuilt[f], full[f]), f
         assert torch.equal(hits[f], torch.full(shape, tp if pl == R else 1.0)), f
+
+
+# ---- damaged checkpoints -------------------------------------------------------------------------
+
+FILES = (".metadata", "__0_0.distcp", "__1_0.distcp")   # what a save on two ranks writes
+DAMAGES = {
+    "cut short": lambda data: data[:len(data) // 3],
+    # the same length, so that only reading it can tell
+    "garbage": lambda data: torch.randint(0, 256, (len(data),), dtype=torch.uint8,
+                                          generator=torch.Generator().manual_seed(0)).numpy().tobytes(),
+    "missing": None,
+}
+
+
+# (file, damage) for each damaged copy: a missing .metadata is no checkpoint at all (FileNotFoundError, above)
+DAMAGED_FILES = [(name, damage) for name in FILES for damage in DAMAGES if (name, damage) != (".metadata", "missing")]
+
+
+def _copy_name(name: str, damage: str) -> str:
+    return f"{name.strip('.')}-{damage.replace(' ', '-')}"
+
+
+def _load_damaged(rank, world, workdir):
+    """A ZeRO-1 checkpoint saved on two ranks, each of its files damaged in turn (rank 0 makes a copy
+    per damage) and loaded on both ranks; what each load raised."""
+    root = Path(workdir)
+    pm, opt = _build((2, 1, 1), dict(zero=1))
+    _train(pm, opt, 1)
+    save_checkpoint(pm, opt, root / "whole")
+    if rank == 0:
+        for name, damage in DAMAGED_FILES:
+            path = root / _copy_name(name, damage)
+            shutil.copytree(root / "whole", path)
+            how = DAMAGES[damage]
+            if how is None:
+                (path / name).unlink()
+            else:
+                (path / name).write_bytes(how((path / name).read_bytes()))
+    torch.distributed.barrier()
+    out = {}
+    for name, damage in DAMAGED_FILES:
+        try:
+            load_checkpoint(pm, opt, root / _copy_name(name, damage))
+            out[name, damage] = None
+        except CheckpointCorruptError as e:
+            out[name, damage] = str(e)
+    return out
+
+
+DAMAGED = pool.job(2, _load_damaged, workdir=True, timeout=300)
+
+
+@pytest.mark.parametrize("name,damage", DAMAGED_FILES)
+def test_damaged_files_are_named_with_what_to_do(name, damage):
+    """Loading (on every rank) and exporting a checkpoint with one file cut short, overwritten or
+    deleted names the checkpoint and the file and says to save it again or load an earlier one."""
+    loaded = [out[name, damage] for out in DAMAGED.result()]   # the copies exist once the job has run
+    path = Path(DAMAGED.path) / _copy_name(name, damage)
+    with pytest.raises(CheckpointCorruptError) as exported:
+        export_state_dict(path)
+    what = "cannot be read" if name == ".metadata" else {"cut short": "is cut short", "garbage": "cannot be read",
+                                                          "missing": "is missing"}[damage]
+    assert len(set(loaded)) == 1   # every rank raises the same error
+    for message in [str(exported.value)] + loaded:
+        assert message.startswith(f"checkpoint {path} is incomplete or corrupt: its file {name} {what}")
+        assert message.endswith("; save it again, or load an earlier checkpoint")

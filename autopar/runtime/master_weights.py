@@ -103,18 +103,22 @@ class MasterAdamW(torch.optim.Optimizer):
     """AdamW on a ParallelModel's fp32 master weights that also writes their bf16 working copies.
 
     Build it with ``pm.optimizer(autopar.MasterAdamW, lr=..., betas=..., eps=...,
-    weight_decay=...)``; the maths is torch.optim.AdamW's (``autopar.kernels.adamw``) and the
-    state (``step``, ``exp_avg``, ``exp_avg_sq`` per parameter) has its layout, so checkpoints
-    and learning-rate schedulers treat it as AdamW. On CUDA each tensor is one Triton kernel."""
+    weight_decay=...)``, or with parameter groups, ``pm.optimizer(autopar.MasterAdamW, [{"params":
+    ..., "weight_decay": 0.0}, ...], lr=...)``; the maths is torch.optim.AdamW's
+    (``autopar.kernels.adamw``) and the state (``step``, ``exp_avg``, ``exp_avg_sq`` per parameter)
+    has its layout, so checkpoints and learning-rate schedulers treat it as AdamW. On CUDA each
+    tensor is one Triton kernel."""
 
     def __init__(self, params, working: WorkingWeights, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2):
-        if not 0.0 <= lr or not 0.0 <= eps or not all(0.0 <= b < 1.0 for b in betas) or weight_decay < 0.0:
-            raise ValueError(f"MasterAdamW: invalid hyperparameters lr={lr}, betas={betas}, eps={eps}, "
-                             f"weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.working = working
-        for group in self.param_groups:
+        for k, group in enumerate(self.param_groups):
+            lr, betas, eps, weight_decay = (group[key] for key in ("lr", "betas", "eps", "weight_decay"))
+            if not 0.0 <= lr or not 0.0 <= eps or not all(0.0 <= b < 1.0 for b in betas) or weight_decay < 0.0:
+                where = f" of parameter group {k}" if len(self.param_groups) > 1 else ""
+                raise ValueError(f"MasterAdamW: invalid hyperparameters{where} lr={lr}, betas={betas}, eps={eps}, "
+                                 f"weight_decay={weight_decay}")
             for p in group["params"]:
                 if id(p) not in working._fqn:
                     raise ValueError("MasterAdamW updates a ParallelModel's own parameters; build it with "

@@ -5,7 +5,9 @@ graph computes with and their gradients. ``HostMasters`` holds, in host memory, 
 each tensor the optimizer updates (pinned when CUDA is available, so the copies run as DMA): the
 rank's local shards (its dp shards under ZeRO-2/3), or under ZeRO-1 its flat dp slice. The torch
 optimizer that ``pm.optimizer(cls, ...)`` builds steps those host copies on the CPU (fused where
-torch has a CPU kernel for ``cls``, else foreach). A step runs over the tensors in chunks of
+torch has a CPU kernel for ``cls``, else foreach), in the parameter groups it was given (each
+parameter's master in its group; under ZeRO-1 the runs of the slice's master that each group fills,
+``zero.SliceOptimizer``). A step runs over the tensors in chunks of
 about ``OFFLOAD_CHUNK`` elements, each
 
     gradients out     each device gradient, cast to fp32 on the device, copied into the chunk's
@@ -44,7 +46,7 @@ import inspect
 import torch
 
 from autopar.cost_model.compute import OFFLOAD_CHUNK
-from autopar.runtime.zero import Zero1, Zero1Optimizer
+from autopar.runtime.zero import SliceOptimizer, Zero1, Zero1Optimizer
 
 
 class HostMasters:
@@ -203,13 +205,13 @@ class Zero1OffloadOptimizer(Zero1Optimizer):
     slice gradient goes out, the host steps, the slice comes back and is all-gathered. To
     checkpoints it is a ``Zero1Optimizer`` (the same state over the same slice)."""
 
-    def __init__(self, zero: Zero1, host: HostMasters, inner: torch.optim.Optimizer):
-        super().__init__(zero, inner)
+    def __init__(self, zero: Zero1, host: HostMasters, sliced: SliceOptimizer):
+        super().__init__(zero, sliced)
         self.host = host
 
     def step(self, closure=None):
         """The host step over the slice, then the all-gather that rebuilds every local shard."""
-        loss = self.host.step(self.inner, closure)
+        loss = self.host.step(self.sliced, closure)
         self.zero.all_gather_params()
         return loss
 
@@ -218,6 +220,22 @@ class Zero1OffloadOptimizer(Zero1Optimizer):
         self.host.zero_grad()
         for p in self.zero.params:
             p.grad = None
+
+
+def offloaded_optimizer(cls, host: HostMasters, groups, defaults: dict, zero: Zero1 | None = None):
+    """``cls`` over ``host``'s masters, as ``pm.optimizer`` builds it with offload: ``groups`` None
+    (every master) or [(FQNs, options)] per parameter group; with ``zero``, over the masters of
+    ZeRO-1's slice (``host.masters["slice"]``), split by group as ``Zero1.slice_optimizer`` splits it."""
+    def make(param_groups):
+        return host_optimizer(cls, param_groups, **defaults)
+
+    if zero is not None:
+        return Zero1OffloadOptimizer(zero, host, zero.slice_optimizer(host.masters["slice"], groups, make))
+    if groups is None:
+        return OffloadOptimizer(host, make(list(host.masters.values())))
+    # a parameter with no master (no elements, or no gradient) is never stepped: left out of its group
+    return OffloadOptimizer(host, make([{**options, "params": [host.masters[f] for f in fqns if f in host.masters]}
+                                        for fqns, options in groups]))
 
 
 def host_optimizer(cls, params, **kwargs) -> torch.optim.Optimizer:
