@@ -1,6 +1,7 @@
 """autopar.plan and autopar.parallelize: the two entry points."""
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import warnings
@@ -10,7 +11,7 @@ import torch.distributed as dist
 
 from autopar.cost_model.devices import preset_for_gpu
 from autopar.mesh import Mesh, default_device_type, device_mesh
-from autopar.planner.decide import check_knobs, decide, rebuild
+from autopar.planner.decide import check_knobs, decide, rebuild, rebuild_at_shapes
 from autopar.plans import Plan
 
 
@@ -130,7 +131,30 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
             cap, strategies = rebuild(model, the_plan, example_inputs, sequence_parallel=sequence_parallel)
     mesh_ = Mesh.of_plan(the_plan)
     dmesh = device_mesh(mesh_, default_device_type())
-    return ParallelModel(model, cap, strategies, the_plan, mesh_, dmesh, compile=compile, loss_kernel=loss_kernel)
+    twin = _meta_twin(model)
+
+    def recapture(example):   # a batch of other shapes: the plan's choices on a capture of those shapes
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return rebuild_at_shapes(twin, the_plan, example, sequence_parallel=sequence_parallel)
+
+    return ParallelModel(model, cap, strategies, the_plan, mesh_, dmesh, compile=compile, loss_kernel=loss_kernel,
+                         recapture=None if twin is None else recapture)
+
+
+def _meta_twin(model):
+    """A copy of ``model`` whose parameters and buffers are on the meta device, at their full shapes:
+    what captures it again at other batch shapes once ``parallelize`` made its weights this rank's
+    shards. None where the module cannot be copied."""
+    memo = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in memo:
+            meta = torch.empty_like(t, device="meta")
+            memo[id(t)] = torch.nn.Parameter(meta, t.requires_grad) if isinstance(t, torch.nn.Parameter) else meta
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception:
+        return None
 
 
 def _picklable(e: Exception) -> Exception:

@@ -577,13 +577,3 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 # the ways a context-parallel attention can run, by the name a Plan gives them (``Plan.cp_attention``)
 CP_ATTENTIONS = {"allgather": context_attention, "ring": ring_attention}
-
-
-def context_loss_scale(target: torch.Tensor, ignore_index: int, mean: bool, group: str, size: int) -> torch.Tensor:
-    """What this cp rank's summed token loss is multiplied by so that the mean over cp (as over dp)
-    of the ranks' losses is the loss of the whole sequences: ``size / tokens`` for a mean over the
-    tokens not ``ignore_index`` on all cp ranks (counted by an all-reduce), ``size`` for a sum."""
-    if not mean:
-        return torch.tensor(float(size), device=target.device)
-    counted = (target != ignore_index).sum().to(torch.float64)
-    return size / _ar(counted.detach(), group).to(torch.float32)

@@ -48,7 +48,9 @@ def phases(case, profile: str) -> dict:
     torch.cuda.synchronize()
     state = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    loss = pm(idx, tgt)   # one microbatch: the weights' bf16 casts are inside the graph
+    # train_step's forward alone, to read the memory between it and the backward (pm(...) is the
+    # no-grad eval_step); one microbatch: the weights' bf16 casts are inside the graph
+    loss = pm._forward(pm._program, (idx, tgt))
     torch.cuda.synchronize()
     kept = torch.cuda.memory_allocated() - state
     fwd_peak = torch.cuda.max_memory_allocated() - state

@@ -12,7 +12,11 @@ What runs where. The graph is split by one question: does a value depend on a pa
   rank's own.
 - Where such a value meets the parameter-dependent part it is cut to the rank's chunks along its
   sequence dim (``rank_chunks``; the dim ``rules.dim_labels`` labels "seq", of the sequence's
-  length). A value with no sequence dim that depends on the inputs (``targets.view(-1)``) is
+  length). A table of buffers and shapes only has no labels to tell: where a pointwise op
+  broadcasts it against the local activations, its dim lined up with their sequence dim is cut
+  (rotary tables as torchtitan and Meta keep them: ``[max_seq, hd]`` sliced ``[:T]``,
+  ``[1, 1, T, hd]``, or computed from ``arange(T)``; as ``context_parallel(buffers=...)`` shards
+  them). A value with no sequence dim that depends on the inputs (``targets.view(-1)``) is
   recomputed on the cut values instead; one with none that depends on no input (``inv_freq``)
   is used as it is.
 - Every parameter-dependent op runs on the rank's tokens: reshapes, expands and unflattens get
@@ -23,20 +27,23 @@ What runs where. The graph is split by one question: does a value depend on a pa
   ``collectives.context_attention``, all-gathers the keys and values over cp in sequence order
   (the backward reduce-scatters dK and dV); "ring", ``collectives.ring_attention``, passes each
   rank's key/value block around the cp ring (no dropout: ``ring_refusal``).
-- The loss: a mean cross-entropy becomes this rank's token sum times ``cp / tokens`` (tokens
-  counted on every cp rank, ``ignore_index`` left out), so that the runtime's mean over dp x cp of
-  the ranks' losses, and of their gradients, is the whole batch's (``context_loss_scale``).
+- The loss: ``passes.token_mean`` has already made each mean over tokens this rank's token sum
+  times a scale the runtime feeds (tokens counted over the whole batch), so a sum over this rank's
+  tokens is all a loss needs, and the runtime's mean over dp x cp of the ranks' losses, and of their
+  gradients, is the whole batch's.
 
 Refused, naming the module: attention spelled out (a matmul or a softmax over the sequence
 dim of the local keys), a mask that depends on the inputs, a reduction over the sequence other
-than the loss, and a loss without a mean or sum over tokens.
+than a token loss's sum, and so a loss that is not a mean or sum over tokens.
 
 The pass runs first, on the captured graph (before the tp rewrite, which then sees local shapes:
 ``local_strategies`` gives its strategies to the nodes this pass made).
 """
 from __future__ import annotations
 
-import copy
+import collections
+import contextlib
+import logging
 import math
 import operator
 import weakref
@@ -51,6 +58,7 @@ from autopar import collectives as C
 from autopar.passes.capture import input_free
 from autopar.passes.driver import copy_graph
 from autopar.passes.rules import Strategy, dim_labels, view_groups
+from autopar.passes.token_mean import TOKEN_LOSS_OPS, is_token_sum, token_mean_pass
 from autopar.placement import R
 
 aten = torch.ops.aten
@@ -135,14 +143,14 @@ def cp_cuts(gm: GraphModule) -> dict[str, str]:
 
 def local_strategies(gm: GraphModule, strategies: dict[Node, Strategy]) -> dict[Node, Strategy]:
     """The planner's strategies (keyed by the captured graph's nodes) for ``cp_pass``'s graph ``gm``:
-    each kept node takes its namesake's; the nodes the pass made compute whole values on every tp
-    rank (the loss scale, the cuts) or keep their input's placement (the scaled loss)."""
+    each kept node takes its namesake's; the nodes the passes made compute whole values on every tp
+    rank (the cuts) or keep their input's placement (a token loss times its scale)."""
     by_name = {n.name: s for n, s in strategies.items()}
     out = {}
     for n in gm.graph.nodes:
         if n.name in by_name:
             out[n] = by_name[n.name]
-        elif n.target is operator.mul and n.args[0] in out:   # the loss times its scale
+        elif n.target is operator.mul and n.args[0] in out:   # a token loss times its scale (passes.token_mean)
             loss = out[n.args[0]].output
             out[n] = Strategy((loss, R), loss)
         else:
@@ -169,9 +177,10 @@ def _cuts(g, local: set[Node], labels, free: set[Node], seq: int) -> dict[Node, 
     """consumer -> {whole value: the dim to cut it on} for every edge from a parameter-free value
     into the local part; widens ``local`` by the input-dependent values with no sequence dim."""
     cuts: dict[Node, dict[Node, int]] = {}
-    todo = [(u, c) for c in g.nodes if c in local for u in c.all_input_nodes if u not in local]
+    # in graph order, so that of several refusals the first layer's is raised
+    todo = collections.deque((u, c) for c in g.nodes if c in local for u in c.all_input_nodes if u not in local)
     while todo:
-        u, consumer = todo.pop()
+        u, consumer = todo.popleft()
         if u.op == "placeholder" and u.meta.get("kind") == "param":
             continue
         val = u.meta.get("val")
@@ -186,7 +195,7 @@ def _cuts(g, local: set[Node], labels, free: set[Node], seq: int) -> dict[Node, 
             if val.dim() >= 2 and val.shape[-2] == seq:
                 cuts.setdefault(consumer, {})[u] = val.dim() - 2   # the query rows; keys stay whole
             continue
-        dims = [d for d, name in enumerate(labels.get(u, ())) if name == "seq" and val.shape[d] == seq]
+        dims = _seq_dims(u, consumer, local, labels, seq, u in free)
         if len(dims) == 1:
             cuts.setdefault(consumer, {})[u] = dims[0]
         elif len(dims) > 1:
@@ -206,9 +215,31 @@ def _cuts(g, local: set[Node], labels, free: set[Node], seq: int) -> dict[Node, 
     return cuts
 
 
+def _seq_dims(u: Node, consumer: Node, local: set[Node], labels, seq: int, free: bool) -> list[int]:
+    """The dims to cut the whole value ``u`` on where the local ``consumer`` takes it: those its
+    labels name "seq", of the sequence's length (token ids, targets, position ids). But the labels
+    of a ``free`` value (of buffers and shapes only) follow no input, so they cannot say which of
+    its dims is the sequence (a rotary table ``[seq, hd]`` or ``[1, 1, seq, hd]``, sliced from a
+    longer buffer or computed from ``arange``): where a pointwise consumer broadcasts it against
+    local operands, its dims lined up with their sequence dims are its sequence dims."""
+    shape = _shape(u.meta["val"])
+    if free and torch.Tag.pointwise in getattr(consumer.target, "tags", ()):
+        dims = set()
+        for x in consumer.all_input_nodes:
+            if x not in local:
+                continue
+            mine = _shape(x.meta.get("val"))
+            for k, name in enumerate(reversed(labels.get(x, ()))):
+                if name == "seq" and k < min(len(shape), len(mine)) and shape[-1 - k] == mine[-1 - k] == seq:
+                    dims.add(len(shape) - 1 - k)
+        if dims:
+            return sorted(dims)
+    return [d for d, name in enumerate(labels.get(u, ())) if name == "seq" and shape[d] == seq]
+
+
 def _localize(gm: GraphModule, local: set[Node], size: int, rank: int, group: str, seq: int, attention) -> None:
     """Give every local node the arguments and traced value (``meta["val"]``) of its sequence shard,
-    in graph order; attention and the loss become their context-parallel forms."""
+    in graph order; attention becomes its context-parallel form."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake: dict[Node, object] = {}
     traced: dict[tuple, object] = {}   # ``_trace_key`` -> the value: each repeated layer's ops are traced once
@@ -216,9 +247,9 @@ def _localize(gm: GraphModule, local: set[Node], size: int, rank: int, group: st
     def val(n):
         return fake[n] if n in fake else n.meta.get("val")
 
-    with mode:
+    with mode, _quiet_fake_tensors():
         n = gm.graph._root
-        while (n := n.next) is not gm.graph._root:   # follows the nodes _loss inserts after the loss too
+        while (n := n.next) is not gm.graph._root:
             if n.op == "placeholder":
                 v = n.meta.get("val")
                 fake[n] = mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
@@ -233,15 +264,11 @@ def _localize(gm: GraphModule, local: set[Node], size: int, rank: int, group: st
                     _resize(n, old_in, new_in, seq)
                 elif n.target is aten.scaled_dot_product_attention.default:
                     _attention(n, size, rank, group, attention)
-                elif n.target is aten.cross_entropy_loss.default:
-                    n = _loss(gm, n, size, group, fake)
             args = map_arg(n.args, val)
             kwargs = map_arg(n.kwargs, val)
             try:
                 if n.target is attention:
                     fake[n] = torch.empty_like(args[0])
-                elif n.target is C.context_loss_scale:
-                    fake[n] = torch.empty((), dtype=torch.float32, device=args[0].device)
                 else:
                     key = _trace_key(n.target, args, kwargs)
                     if key is None:
@@ -255,6 +282,19 @@ def _localize(gm: GraphModule, local: set[Node], size: int, rank: int, group: st
                                            f"a sequence shard: {e}") from None
     for n, v in fake.items():
         n.meta["val"] = v
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors():
+    """Silence the fake tensor mode's log while the shard is traced: it logs the whole traceback of
+    an op that fails on the shard before raising, which ``_localize`` turns into one sentence (and
+    the mesh search into a note line), so the log would only bury it."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    was, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = was
 
 
 class _Unkeyed(Exception):
@@ -317,9 +357,13 @@ def _check_ops(n: Node, old_in: dict, new_in: dict) -> None:
                 f"{n.name} in {_where(n)} multiplies by a sequence of keys (attention spelled out as "
                 "softmax(q k^T) v); context parallelism gathers the keys only for scaled_dot_product_attention: "
                 "use F.scaled_dot_product_attention(..., is_causal=True) there, or cp=1")
-    if n.target in _REDUCE_ALL and changed:
+    if n.target in _REDUCE_ALL and changed and not (n.target is aten.sum.default and is_token_sum(n)):
         raise ContextParallelError(f"{n.name} in {_where(n)} reduces over the sequence; context parallelism "
-                                   "supports a mean or sum cross-entropy loss only there: use cp=1")
+                                   "supports a mean or sum over tokens as the loss only there (a cross-entropy, or "
+                                   "(loss * mask).sum() / mask.sum()): use cp=1")
+    if n.target in TOKEN_LOSS_OPS and not is_token_sum(n):
+        raise ContextParallelError(f"the loss {n.name} in {_where(n)} is not a sum over tokens times its scale "
+                                   "(passes.token_mean runs before context parallelism): use cp=1")
     if n.target in _REDUCE and changed:
         dims = n.args[1] if len(n.args) > 1 else None
         dims = [dims] if isinstance(dims, int) else list(dims or range(len(_shape(old_in[x]))))
@@ -378,34 +422,6 @@ def _attention(n: Node, size: int, rank: int, group: str, attention) -> None:
     n.kwargs = {}
 
 
-def _loss(gm: GraphModule, n: Node, size: int, group: str, fake: dict) -> Node:
-    """A mean (or sum) cross-entropy -> this rank's token sum times ``context_loss_scale``; returns
-    the node whose value now stands for the loss (the product)."""
-    names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
-    given = {**dict(zip(names, n.args)), **n.kwargs}
-    reduction, ignore = given.get("reduction", 1), given.get("ignore_index", -100)
-    if reduction not in (1, 2) or (reduction == 1 and given.get("weight") is not None):
-        raise ContextParallelError(f"the cross-entropy in {_where(n)} has reduction={reduction} "
-                                   f"{'and class weights ' if given.get('weight') is not None else ''}; context "
-                                   "parallelism sums each rank's token losses and divides by the tokens of all "
-                                   "ranks, so it needs reduction 'mean' without weights or 'sum': use cp=1")
-    args = list(n.args)
-    args += [None, 1][len(args) - 2:] if len(args) < 4 else []   # weight, reduction: aten's defaults
-    args[3] = 2   # the sum over this rank's tokens
-    n.args, n.kwargs = tuple(args), {k: v for k, v in n.kwargs.items() if k != "reduction"}
-    g = gm.graph
-    users = list(n.users)
-    with g.inserting_after(n):
-        scale = g.call_function(C.context_loss_scale, (given["target"], ignore, reduction == 1, group, size))
-    with g.inserting_after(scale):
-        loss = g.call_function(operator.mul, (n, scale))
-    for node in (scale, loss):
-        node.meta["module_path"] = n.meta.get("module_path", "")
-    for u in users:
-        u.replace_input_with(n, loss)
-    return n
-
-
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # fx Graph -> the cp it splits over
 
 
@@ -421,8 +437,9 @@ def check_context(cap, cp: int) -> None:
                                    f"{list(shape_of(cap.inputs[0])) if cap.inputs else 'missing'}: pass token ids "
                                    "of shape (batch, sequence), or use cp=1")
     check_sequence(shape_of(cap.inputs[0])[1], cp)
-    # cp_pass's rewrite on a copy of the graph, without the code a GraphModule would compile for it
-    _split(SimpleNamespace(graph=copy.deepcopy(cap.gm.graph), meta={}), size=cp, rank=0, group="",
+    # cp_pass's rewrite of what the runtime gives it (the loss made a token sum first), on a copy of
+    # the graph, without the code a GraphModule would compile for it
+    _split(SimpleNamespace(graph=token_mean_pass(cap.gm).graph, meta={}), size=cp, rank=0, group="",
            seq=shape_of(cap.inputs[0])[1], attention="allgather")
     _CHECKED.setdefault(cap.gm.graph, set()).add(cp)
 

@@ -3,7 +3,8 @@
 Each region becomes a sub-GraphModule called through torch.utils.checkpoint (non-reentrant,
 RNG state preserved so dropout masks repeat). torch.compile traces such a call as an
 activation-checkpoint region and AOTAutograd's partitioner recomputes it, so the decision
-survives compilation; no FX metadata has to outlive a re-trace.
+survives compilation; no FX metadata has to outlive a re-trace. An op a region uses that an earlier
+pass put in the middle of it (a cp cut of a rotary table) is recomputed with the region.
 """
 from __future__ import annotations
 
@@ -34,13 +35,9 @@ def recompute_pass(gm: GraphModule, *, regions: list[set[str]]) -> GraphModule:
 
 
 def _wrap(gm: GraphModule, members: list[Node], name: str) -> None:
+    members = _with_late_inputs(gm, members, name)
     inside = set(members)
     ins = list(dict.fromkeys(a for n in members for a in n.all_input_nodes if a not in inside))
-    order = {n: k for k, n in enumerate(gm.graph.nodes)}
-    late = [a.name for a in ins if order[a] > order[members[0]]]
-    if late:
-        raise ValueError(f"recompute region {name} needs {', '.join(late)}, computed in the middle of it; "
-                         "a region must be a contiguous piece of the forward")
     outs = [n for n in members if any(u not in inside for u in n.users)]
     sub = Graph()
     env = {}
@@ -62,3 +59,23 @@ def _wrap(gm: GraphModule, members: list[Node], name: str) -> None:
             n.replace_all_uses_with(got, delete_user_cb=lambda u: u not in inside)
     for n in reversed(members):
         gm.graph.erase_node(n)
+
+
+def _with_late_inputs(gm: GraphModule, members: list[Node], name: str) -> list[Node]:
+    """``members`` (in graph order) and the ops they take that a later pass put in the middle of the
+    region without naming them for it (the cp pass cuts a whole table to the rank's chunks just
+    before the op that first takes it, ``context_parallel.cp_cuts``): in graph order, recomputed
+    with the region, as they run inside the piece of the forward it is."""
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    first, inside = order[members[0]], set(members)
+    todo = [a for n in members for a in n.all_input_nodes if a not in inside and order[a] > first]
+    while todo:
+        a = todo.pop()
+        if a in inside:
+            continue
+        if a.op != "call_function":
+            raise ValueError(f"recompute region {name} needs {a.name}, computed in the middle of it; "
+                             "a region must be a contiguous piece of the forward")
+        inside.add(a)
+        todo += [i for i in a.all_input_nodes if i not in inside and order[i] > first]
+    return sorted(inside, key=order.__getitem__)

@@ -2,7 +2,8 @@
 gathered gradient and 10 AdamW steps, with a plain torch optimizer over ``pm.parameters()`` and
 with ``pm.optimizer``; cp alone (2, 4), with tp and sequence parallelism, with dp at ZeRO-1 and
 ZeRO-3, with pp, and Hugging Face Llama (rotary positions, its own position mask, shifted labels);
-with ring attention (cp_attention="ring") at cp=2 and 4 and on Llama.
+with ring attention (cp_attention="ring") at cp=2 and 4 and on Llama (there also with recompute="full":
+the checkpoint regions take the rotary tables cut in the middle of them).
 The rank's graph holds one cp attention per layer (``context_attention``, two all-gathers over
 cp, or ``ring_attention``, cp-1 block transfers), as the plan counts them; a checkpoint written on dp=2 x cp=2 (ZeRO-1) trains on at cp=4. Offline (meta device, no processes): the mesh's rank layout, the plan's record of
 cp, and the errors for a sequence 2·cp does not divide and for attention cp cannot split."""
@@ -34,6 +35,7 @@ CASES = [({"cp": 2}, "gpt-ignore", "plain", {}),
          ({"cp": 4}, "gpt-ignore", "own", {}),
          ({"cp": 2}, "gpt-ignore", "plain", {"cp_attention": "ring"}),
          ({"cp": 2}, "llama", "own", {"cp_attention": "ring"}),
+         ({"cp": 2}, "llama", "plain", {"cp_attention": "ring", "recompute": "full"}),
          ({"cp": 4}, "gpt-ignore", "own", {"cp_attention": "ring"}),
          ({"cp": 2, "tp": 2}, "gpt-ignore", "plain", {"plan": "megatron", "sequence_parallel": True}),
          ({"dp": 2, "cp": 2}, "gpt", "own", {"zero": 1}),
@@ -73,12 +75,13 @@ def _one(rank, world, mesh, name, optimizer, knobs):
     pm = autopar.parallelize(build(name), mesh, inputs, compile=False, device="cpu", **knobs)
     loss = pm.train_step(*inputs).item()
     grads = pm.full_grads()
-    attention = sum(1 for n in pm.graph_module.graph.nodes if n.target is C.CP_ATTENTIONS[pm.plan.cp_attention])
+    graphs = [m.graph for m in pm.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]   # recompute's too
+    attention = sum(1 for g in graphs for n in g.nodes if n.target is C.CP_ATTENTIONS[pm.plan.cp_attention])
     kind = "send_recv" if pm.plan.cp_attention == "ring" else "all_gather"
     planned = sum(c.count for c in pm.plan.collectives if (c.kind, c.axis, c.phase) == (kind, "cp", "fwd"))
     curve = pm_curve(pm, adamw_for(pm, optimizer, LR), inputs, STEPS)
-    try:   # a batch of another sequence length: the rank's positions would be wrong
-        pm.train_step(*(x[:, :SEQ // 2] for x in inputs))
+    try:   # a batch of a sequence length 2·cp chunks do not split (other lengths are lowered again)
+        pm.train_step(*(x[:, :SEQ - 1] for x in inputs))
         wrong = None
     except ValueError as e:
         wrong = str(e)
@@ -149,7 +152,7 @@ def test_cp_matches_one_device(case, refs):
         steps = 2 if variant == "allgather" else mesh["cp"] - 1
         assert planned == steps * attention * microbatches
         assert sp == bool(knobs.get("sequence_parallel"))
-        assert wrong is not None and f"plan was made for {SEQ}" in wrong
+        assert wrong is not None and f"sequence of {SEQ - 1} tokens" in wrong, wrong
 
 
 # ---- offline: the mesh, the plan, bad input ---------------------------------------------------------

@@ -26,7 +26,7 @@ def _train_and_fail(rank, world_size, how, pid_dir):
     torch.manual_seed(0)
     idx, tgt = example_inputs(CFG, 4, 8)
     pm = autopar.parallelize(GPT(CFG), (1, 1, 2), (idx, tgt), compile=False)
-    forward = ParallelModel.__call__
+    forward = ParallelModel._forward   # one microbatch's forward of train_step
 
     def fail(grad):   # runs when the backward starts
         (pid_dir / "failed_at").write_text(repr(time.time()))
@@ -34,14 +34,14 @@ def _train_and_fail(rank, world_size, how, pid_dir):
             os.kill(os.getpid(), signal.SIGKILL)
         raise ValueError("injected failure in the backward of rank 1")
 
-    def failing_forward(self, *inputs):
-        loss = forward(self, *inputs)
+    def failing_forward(self, *args):
+        loss = forward(self, *args)
         loss.register_hook(fail)
         return loss
 
     pm.train_step(idx, tgt)   # a whole step first: the failure comes mid-training
     if rank == 1:
-        ParallelModel.__call__ = failing_forward
+        ParallelModel._forward = failing_forward
     pm.train_step(idx, tgt)
     time.sleep(3600)   # only the spawner's stopping the job may end rank 0's run
 

@@ -67,9 +67,8 @@ def _saved_bytes(rank, world, mode):
         kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = pm(idx, tgt)
-    loss.backward()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):   # packed by the step's forward
+        pm.train_step(idx, tgt)
     cap, strategies, _ = decide(make_model(EXPLICIT), (1, 1, world), (idx, tgt), plan=pm.plan)
     by_name = {n.name: n for n in cap.gm.graph.nodes}
     regions = [[by_name[n] for n in r] for r in pm.plan.recompute_regions]

@@ -31,20 +31,20 @@ from autopar.mesh import Mesh
 from autopar.passes.context_parallel import check_context, ring_refusal
 from autopar.collectives import CP_ATTENTIONS
 from autopar.cost_model.context import attention_priced, context_priced, cp_attention_seconds
-from autopar.passes.capture import Captured, capture_pass
+from autopar.passes.capture import Captured, capture_pass, example_args
 from autopar.passes.precision import compute_dtype, retyped, working_copy_ratio
 from autopar.passes.units import find_blocks, layer_units, stage_of_nodes, zero_units
-from autopar.placement import Shard
 from autopar.planner.megatron import megatron_options
 from autopar.planner.mesh_search import rank_meshes, ranking_table
+from autopar.planner.other_shapes import plan_at_shapes
 from autopar.planner.recompute import choose_recompute, memory_breakdown, regions_for
 from autopar.planner.reshard import choose_kept
-from autopar.planner.sharding import (Assignment, check_tp, enumerate_strategies, ops_of, sharding_fields, solve,
-                                      strategies_from_plan, with_regather)
+from autopar.planner.sharding import (Assignment, check_tp, enumerate_strategies, sequence_parallel_notes,
+                                      sequence_sharded, sharding_fields, solve, strategies_from_plan, with_regather)
 from autopar.planner.stage_cut import choose_cut
 from autopar.planner.stage_dp import cut_stages, inflight_microbatches, min_peak_memory
 from autopar.plans import (OFFLOADS, Plan, StagePlan, axis_warnings, edited_source, fit_warning,
-                           offload_limit, zero_on_mesh)
+                           offload_limit, standing_notes, zero_on_mesh)
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -77,11 +77,16 @@ def check_knobs(mesh: Mesh, recompute, schedule, zero, sequence_parallel, offloa
                          "only when the plan fits the memory budget with it and not without)")
 
 
-def _keep_knob(keep_gathered):
-    """``keep_gathered`` as the planner takes it: "auto", or a tuple of unit names."""
+def _keep_knob(keep_gathered, zero):
+    """``keep_gathered`` as the planner takes it: "auto", or a tuple of unit names, which only zero=3
+    (or "auto", should it choose 3) can keep: refused with another zero, as a plan file's are."""
     if isinstance(keep_gathered, str) and keep_gathered == "auto":
         return keep_gathered
     if isinstance(keep_gathered, (list, tuple)) and all(isinstance(n, str) for n in keep_gathered):
+        if keep_gathered and zero not in (3, "auto"):
+            raise ValueError(f"keep_gathered={list(keep_gathered)} names units to keep gathered from forward to "
+                             f"backward, but only zero=3 reshards units (zero={zero!r} here); use zero=3 (or "
+                             "'auto'), or leave keep_gathered='auto'")
         return tuple(keep_gathered)
     raise ValueError(f"keep_gathered={keep_gathered!r}: expected 'auto' (the planner keeps what fits the memory "
                      "budget under zero=3) or a list of unit names to keep gathered from forward to backward "
@@ -162,6 +167,7 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
     the one with the lowest predicted step time is kept. ``mesh="auto"`` needs ``world_size``:
     every valid (dp, pp, tp) is ranked first (``autopar.planner.mesh_search``) and the best one planned."""
     notes = ()
+    example_inputs = example_args(model, example_inputs)   # a lone tensor or a list too; counted against forward
     compute_dtype(precision)   # an unknown precision fails before any planning
     offload = "none" if offload is None else offload   # the design's spelling of "none"
     captures: dict = {}
@@ -176,7 +182,7 @@ def decide(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto"
     knobs = dict(plan=plan, sequence_parallel=sequence_parallel, memory_budget=memory_budget, cp_attention=cp_attention,
                  schedule=schedule, zero=zero, device=device, gpus_per_node=gpus_per_node, stages=stages,
                  virtual_stages=virtual_stages, recompute=recompute, precision=precision, capture=capture,
-                 offload=offload, keep_gathered=_keep_knob(keep_gathered))
+                 offload=offload, keep_gathered=_keep_knob(keep_gathered, zero))
     if isinstance(mesh, str) and mesh == "auto":
         def price(candidate: Mesh, m: int) -> Decision:
             # the candidate's plan as it is made below, but for the ZeRO stages it cannot choose (``_decide_zero``'s
@@ -342,23 +348,22 @@ class Decision:
     def plan(self, notes: tuple[str, ...] = ()) -> Plan:
         """The Plan, built once: the fields, the given plan's notes and model, ``notes``, the warnings."""
         fields = dict(self.fields)
-        if self.given is not None:
-            fields.update(notes=self.given.notes, model=self.given.model)
+        if self.given is not None:   # its notes less those an edit made untrue, with those derived for it now
+            fields.update(notes=standing_notes(self.given.notes, _view(fields), fields.get("notes", ())),
+                          model=self.given.model)
         fields["notes"] = fields.get("notes", ()) + tuple(notes)
         fields["warnings"] = _warnings(_view(fields), self.cap, self.strategies, Mesh.of_plan(_view(fields)),
                                        self.dev, self.budget, self.gpus_per_node)
         return Plan(**fields)
 
 
-def _check_units(cap, names: tuple[str, ...], zero: int, what: str = "plan.keep_gathered") -> None:
-    """A plan's ``keep_gathered`` (or the knob, ``what``): units of this model, and only under zero=3."""
-    if zero != 3:
-        raise PlanFormatError(f"{what} lists {', '.join(names)}, but only zero=3 reshards units "
-                              f"(this plan has zero={zero}); empty it or set zero to 3")
+def _check_units(cap, names: tuple[str, ...], what: str = "plan.keep_gathered ") -> None:
+    """A plan's ``keep_gathered`` (or the knob, ``what``) names units of this model (that it names them
+    only under zero=3 is ``Plan``'s check, and ``_keep_knob``'s)."""
     known = [u.name for u in zero_units(cap)]
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise PlanFormatError(f"{what}: the model has no unit {', '.join(unknown)}; its units are "
+        raise PlanFormatError(f"{what}{list(names)}: the model has no unit {', '.join(unknown)}; its units are "
                               f"{', '.join(known)}")
 
 
@@ -564,12 +569,12 @@ def _decide(model, mesh, example_inputs, *, plan, sequence_parallel, memory_budg
         raise ValueError(refused)
     budget = parse_bytes(memory_budget)
     limit = dev.memory_bytes if budget is None else budget   # what recompute="auto" and keep_gathered fit in
-    sp = any(isinstance(assignment.strategies[n].output, Shard)
-             for n in ops_of(cap, torch.ops.aten.layer_norm.default))
-    kept = (tuple(given.keep_gathered) if given is not None
-            else () if keep_gathered == "auto" or zero != 3 else keep_gathered)   # the knob names zero=3's units
+    sp = sequence_sharded(cap, assignment.strategies)
+    notes += sequence_parallel_notes(cap, mesh.tp, sequence_parallel)
+    kept = tuple(given.keep_gathered) if given is not None else () if keep_gathered == "auto" else keep_gathered
     if kept:
-        _check_units(cap, kept, zero, "plan.keep_gathered" if given is not None else "keep_gathered=")
+        _check_units(cap, kept, "plan.keep_gathered " if given is not None else "keep_gathered=")
+    kept = kept if zero == 3 else ()   # zero="auto"'s other stages; zero=3 without dp to shard (its note says so)
 
     def fields_of(assignment, recompute, kept=()) -> dict:
         fields = sharding_fields(cap, assignment, mesh, dev, sequence_parallel=sp, zero=zero, microbatches=m,
@@ -880,8 +885,22 @@ def _positions(names, kept) -> set[int]:
 def rebuild(model, plan: Plan, example_inputs, *, sequence_parallel="auto") -> tuple[Captured, dict]:
     """The capture and the strategy per node that a decided ``plan`` names, pricing nothing: what
     a rank needs to build its program from the plan rank 0 broadcast."""
-    mesh = Mesh(*plan.mesh)
-    cap = capture_pass(model, _local_inputs(example_inputs, mesh, plan.microbatches), require_loss=True)
-    cap = retyped(cap, plan.precision)   # the rewrite reads the compute dtype the plan was made at
-    options = enumerate_strategies(cap, mesh.tp, sequence_parallel)
+    cap, options = _captured_options(model, plan, example_inputs, sequence_parallel)
     return cap, strategies_from_plan(cap, options, plan)
+
+
+def rebuild_at_shapes(model, plan: Plan, example_inputs, *, sequence_parallel="auto") -> tuple[Captured, dict, Plan]:
+    """``rebuild`` for a global batch of other shapes than the plan's: the capture, the plan's
+    strategies carried to it and the plan at those shapes (``planner.other_shapes``)."""
+    cap, options = _captured_options(model, plan, example_inputs, sequence_parallel)
+    return (cap, *plan_at_shapes(cap, options, plan))
+
+
+def _captured_options(model, plan: Plan, example_inputs, sequence_parallel):
+    """The capture of one dp rank's microbatch of ``example_inputs``, at the plan's compute dtype
+    (which the rewrite reads), and each op's strategies."""
+    mesh = Mesh(*plan.mesh)
+    example_inputs = example_args(model, example_inputs)
+    cap = capture_pass(model, _local_inputs(example_inputs, mesh, plan.microbatches), require_loss=True)
+    cap = retyped(cap, plan.precision)
+    return cap, enumerate_strategies(cap, mesh.tp, sequence_parallel)

@@ -26,7 +26,8 @@ the least cp whose plan fits the memory is the last one priced, and larger cp ar
 (this holds on the cost model's prices, where a plan at cp makes its recompute choice and stage
 cut on the whole sequence, ``cost_model.context``: memory cp saves buys no less recompute). A cp
 whose dp the batch does not divide is skipped as a dp would be. Rows with cp > 1 name the mesh
-(dp, pp, cpC, tp).
+(dp, pp, cpC, tp). A cp the model refuses is traced once and not ranked; the table says so in one
+line with the reason (``rank_meshes``' context).
 """
 from __future__ import annotations
 
@@ -118,7 +119,8 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
                 sequence_parallel="auto") -> tuple[list[MeshOption], str]:
     """Every (dp, pp, tp) with dp * pp * tp == world_size that the model and batch allow, and the
     (dp, pp, cp, tp) the module docstring says can pay, fastest fitting mesh first; with a line
-    saying which cp the sequence allows and, when the winner splits it, why that cp.
+    saying which cp the sequence allows and one per reason the model refused a cp (those cp are
+    not ranked; ``allows_context``).
 
     ``price(mesh, microbatches)``: the candidate's plan before it is built (its ``step_time``,
     ``peak_memory``, ``terms`` and ``fields``: the figures and choices its Plan will have), or a
@@ -150,7 +152,8 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
                 if pp > 1 and m < pp:
                     continue
                 if cp > 1:
-                    refused.setdefault(cp, allows_context(cap, cp))
+                    if cp not in refused:   # traced once per cp: a refusal is the same on every mesh
+                        refused[cp] = allows_context(cap, cp)
                     if refused[cp]:
                         continue
                 plain = Mesh(dp, pp, tp, cp=cp)
@@ -164,9 +167,14 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
     out.sort(key=lambda o: (not o.fits, o.step_time, o.peak_memory))
     if not seq:
         return out, "cp: none (the first input has no sequence dim)"
-    why_not = next((e for e in refused.values() if e), "")
-    return out, (f"{context_sizes(seq, world_size)[1]}; a cp is planned where the meshes of less cp with its pp "
-                 f"and tp do not fit" + (f"; the model refuses cp: {why_not}" if why_not else ""))
+    why_not: dict[str, list[str]] = {}
+    for cp, reason in refused.items():
+        if reason:
+            why_not.setdefault(reason, []).append(str(cp))
+    return out, "\n".join([f"{context_sizes(seq, world_size)[1]}; a cp is planned where the meshes of less cp with "
+                           f"its pp and tp do not fit"]
+                          + [f"cp {', '.join(cps)} not ranked, the model refuses it: {reason}"
+                             for reason, cps in why_not.items()])
 
 
 def _priced(mesh: Mesh, m: int, price, memory_budget: float) -> MeshOption:
@@ -194,7 +202,7 @@ def ranking_table(options: list[MeshOption], limit: int = 12, context: str = "")
     predicted step time and its terms (compute, tp / cp / pp / dp exposed communication, pipeline
     bubble, optimizer update: the terms the step time adds up, ``Decision.terms``), peak memory,
     fit (the figures to the digits ``Plan.summary`` prints them with), ``context`` (which cp were
-    ranked, ``rank_meshes``), then why the first won."""
+    ranked and a line per reason the model refused a cp, ``rank_meshes``), then why the first won."""
     head = (f"{'rank':>4s}  {'mesh (dp,pp,tp)':18s} {'microbatches':>12s} {'zero':>5s} {'recompute':>9s} "
             f"{'offload':>9s} {'step ms':>11s} " + " ".join(f"{t:>10s}" for t in TERMS)
             + f" {'peak GiB':>9s}  fits")
@@ -211,8 +219,7 @@ def ranking_table(options: list[MeshOption], limit: int = 12, context: str = "")
     lines.append("      (times in ms; zero k: units kept gathered; recompute auto: regions chosen; "
                  "dp: what prefetch leaves exposed" + ("; (dp, pp, cpC, tp): sequences split over C ranks)"
                                                         if any(o.mesh.cp > 1 for o in options) else ")"))
-    if context:
-        lines.append(f"      {context}")
+    lines += [f"      {line}" for line in context.splitlines()]
     lines.append(ranking_reason(options))
     return "\n".join(lines)
 

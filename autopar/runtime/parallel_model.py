@@ -1,8 +1,10 @@
 """ParallelModel: one rank's share of a parallelized model, and its training step."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import warnings
 import weakref
 from collections import Counter
 
@@ -24,15 +26,31 @@ from autopar.passes.fuse_loss import cross_entropy_kernel_pass
 from autopar.passes.precision import compute_dtype
 from autopar.passes.device import device_pass
 from autopar.passes.units import stage_of_nodes, zero_units
+from autopar.passes.token_mean import scale_name, token_count_graph, token_losses, token_mean_pass
 from autopar.passes.zero import gather_name, shard_rows, unit_params, zero_pass
 from autopar.placement import Shard, local_shape, parse_placement, shard_tensor
 from autopar.kernels.fused_linear_ce import triton_available
 from autopar.runtime.compile_once import peer_order
 from autopar.runtime.master_weights import MasterAdamW, WorkingWeights
-from autopar.runtime.offload import HostMasters, OffloadOptimizer, Zero1OffloadOptimizer, host_optimizer
+from autopar.runtime.offload import HostMasters, offloaded_optimizer
 from autopar.runtime.pipeline import Pipeline
 from autopar.runtime.precision import LossScaler, WorkingCopies
 from autopar.runtime.zero import Zero1, clip_coefficient, scale_to_norm
+
+
+@dataclasses.dataclass
+class _Program:
+    """This rank's lowered step for one microbatch shape: its graph, how it runs, what it is fed."""
+
+    shapes: tuple[tuple[int, ...], ...]      # the plan's microbatch input shapes it was lowered for
+    graph_module: torch.fx.GraphModule       # as the passes left it (before any pipeline split)
+    fn: object                               # the lowered graph (pp = 1)
+    pipeline: Pipeline | None                # the stages and schedule (pp > 1)
+    counts: torch.fx.GraphModule | None      # a microbatch's token counts (passes.token_mean)
+    counted: list[bool]                      # per token loss: a mean (its scale counts tokens) or a sum
+    pass_seconds: list                       # (pass, seconds) per pass
+    slots: list                              # (kind, fqn) of each placeholder, in order
+    input_names: list[str]                   # the user inputs' placeholders, in call order
 
 
 class ParallelModel:
@@ -72,9 +90,14 @@ class ParallelModel:
     ``graph_module`` is this rank's program as the passes left it (before any pipeline split),
     ``pass_seconds`` the (pass, seconds) each of them took (``autopar.passes.driver``)."""
 
-    def __init__(self, model, cap, strategies, plan, mesh, dmesh, *, compile=True, loss_kernel="auto"):
+    def __init__(self, model, cap, strategies, plan, mesh, dmesh, *, compile=True, loss_kernel="auto",
+                 recapture=None):
+        """``recapture(inputs)``, given, returns the capture, strategies and plan of ``plan``'s choices for
+        a global batch of other shapes (``autopar.api``): a batch or sequence length other than the
+        example's is then lowered anew on the same parameters."""
         self.plan = plan
         self.mesh = mesh
+        self._dmesh = dmesh
         self.coords = mesh.coords(dist.get_rank())
         self._tp_group = group_name(dmesh, "tp")
         self._dp_group = group_name(dmesh, "dp")
@@ -92,72 +115,12 @@ class ParallelModel:
         if plan.zero and mesh.cp > 1:   # the same shards on every cp rank (and replica): reduced across them
             self._replicate_group = axes_group(mesh, ("dp_replicate", "cp")) if mesh.split else self._cp_group
             replicas *= mesh.cp
-        across = dict(replicate=self._replicate_group, replicas=replicas)
-        # this rank's program: the passes carrying the plan out, run by the pass driver on the
-        # capture (which they leave as it is: the planner's graph); with pp > 1 the pipeline then
-        # splits the result into its stages (pipeline_split_pass, the one step that makes several graphs)
-        steps = []
+        self._across = dict(replicate=self._replicate_group, replicas=replicas)
         self._device = _comm_device()
-        if any(n.meta["val"].device != self._device for n in cap.gm.graph.nodes
-               if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)):
-            steps.append((device_pass, dict(device=self._device)))   # captured on meta or another device
-        start, self.pass_seconds, cuts = cap.gm, [], {}
-        if mesh.cp > 1:
-            check_sequence(plan.input_shapes[0][1], mesh.cp, mesh.tp, plan.sequence_parallel)
-            # first, in a run of its own: the tp rewrite then sees the local sequence's shapes, on
-            # nodes the planner's strategies are handed to by name (``local_strategies``)
-            steps.append((cp_pass, dict(size=mesh.cp, rank=self.coords["cp"], group=self._cp_group,
-                                        seq=plan.input_shapes[0][1], attention=plan.cp_attention)))
-            start, self.pass_seconds = run_passes(cap.gm, steps, prefix=rank_prefix("cp"))
-            strategies, steps, cuts = local_strategies(start, strategies), [], cp_cuts(start)
-        if mesh.tp > 1:
-            steps.append((shard_pass, dict(strategies=strategies, size=mesh.tp, rank=self.coords["tp"],
-                                           group=self._tp_group)))
-        if loss_kernel is True or (loss_kernel == "auto" and _inductor_on_cuda(compile)):
-            steps.append((cross_entropy_kernel_pass, {}))
-        # ZeRO-2/3: every parameter enters as its dp shard and is gathered per unit inside the graph
+        self._compile, self._loss_kernel, self._recapture = compile, loss_kernel, recapture
         self._fsdp = plan.zero >= 2 and mesh.dp_shard > 1
-        units = gathers = None
-        if self._fsdp:
-            labels, units = zip(*((u.name, [n.name for n in u.nodes]) for u in zero_units(cap)))
-            gathers = unit_params(cap.gm, units, set(cap.params))
-            resharded = {k for k, label in enumerate(labels) if plan.zero == 3 and label not in plan.keep_gathered}
-            # a weight several units of one stage use (a tied embedding) is gathered once for all of them
-            shared = Counter(f for fqns in gathers.values() for f in fqns)
-            steps.append((zero_pass, dict(units=units, rows={p.fqn: p.local_shape[0] for p in plan.parameters},
-                                          group=self._shard_group, size=mesh.dp_shard, **across,
-                                          dtype=compute_dtype(plan.precision) if plan.precision != "fp32" else None,
-                                          reshard=resharded,
-                                          recomputed={n for r in plan.recompute_regions for n in r},
-                                          once={f for f, n in shared.items() if n > 1} if mesh.pp == 1 else set(),
-                                          prefetch=_prefetches(compile))))
-        # One microbatch on one stage: the 16-bit weight copies are cast inside the compiled graph,
-        # where Inductor fuses them into its own kernels, instead of ~2 eager kernels per weight per
-        # step. With several microbatches the copies are made once per step and shared (``WorkingCopies``).
-        in_graph = mesh.pp == 1 and plan.microbatches == 1
-        if plan.precision != "fp32":
-            # inputs and buffers are cast in the graph, where it can leave those computing tables alone;
-            # weights too with one microbatch on one stage (else ``WorkingCopies`` shares one copy)
-            # (ZeRO-2/3 gathers the weights at the compute dtype: none is cast here)
-            floats = {n.name for n in cap.gm.graph.nodes if n.op == "placeholder" and is_float(n)
-                      and ((in_graph and not self._fsdp) or n.meta.get("kind") != "param")}
-            steps.append((precision_pass, dict(precision=plan.precision, floats=floats,
-                                               stage_of=self._stage_of(cap, plan, units, gathers, cuts))))
-        if plan.recompute_regions:
-            steps.append((recompute_pass, dict(regions=[set(r) for r in plan.recompute_regions])))
-        # (pass name, seconds) per pass; AUTOPAR_DUMP=DIR writes each graph before and after it
-        gm, seconds = run_passes(start, steps, prefix=rank_prefix())
-        self.pass_seconds += seconds
-        self.graph_module = gm
         self._placement = {p.fqn: parse_placement(p.placements["tp"]) for p in plan.parameters}
         self._aliases = {p.fqn: p.aliases for p in plan.parameters}
-
-        def materialize(fqns):
-            local = _materialize(model, cap, self._placement, mesh.tp, self.coords["tp"], fqns)
-            if not self._fsdp:
-                return local
-            return {f: _dp_shard(q, mesh.dp_shard, self.coords["dp_shard"]) for f, q in local.items()}
-
         self._buffers = {fqn: b for fqn, b in model.named_buffers() if fqn in cap.buffers}
         unknown = [fqn for fqn, b in self._buffers.items() if b.is_meta]
         if unknown:
@@ -167,24 +130,23 @@ class ParallelModel:
         self._buffers.update(cap.constant_tensors(self._device))   # torch.export's lifted constants
         # the buffers the module's own state_dict holds: checkpoints and exports carry exactly these
         self._persistent_buffers = [fqn for fqn in model.state_dict(keep_vars=True) if fqn in self._buffers]
-        self._casts = WorkingCopies("fp32" if in_graph or self._fsdp else plan.precision, names=cap.params)
+        # the scale each token-mean loss reads (passes.token_mean), written before every forward
+        self._buffers.update({scale_name(k): torch.ones((), device=self._device)
+                              for k in range(len(token_losses(cap.gm)))})
+        # One microbatch on one stage: the 16-bit weight copies are cast inside the compiled graph,
+        # where Inductor fuses them into its own kernels, instead of ~2 eager kernels per weight per
+        # step. With several microbatches the copies are made once per step and shared (``WorkingCopies``).
+        self._in_graph = mesh.pp == 1 and plan.microbatches == 1
+        self._casts = WorkingCopies("fp32" if self._in_graph or self._fsdp else plan.precision, names=cap.params)
         self._master = None   # WorkingWeights, once optimizer(MasterAdamW) is asked for
         self.loss_scaler = LossScaler() if plan.precision == "fp16" else None
         self.step_skipped = False
-        self._pipeline = None
-        order = peer_order(self.coords) if uses_inductor(compile) else None
-        if mesh.pp > 1:
-            self._pipeline = Pipeline(gm, self._stage_of(cap, plan, units, gathers, cuts), plan, dmesh,
-                                      rank=self.coords["pp"], materialize=materialize,
-                                      buffers=self._buffers, device=self._device, prepare=self._casts,
-                                      loss_scale=lambda: self.loss_scale,
-                                      wrap=lambda g: lower(g, compile, regather=plan.zero == 3, order=order))
-            self._params = self._pipeline.params
-        else:
-            self._params = materialize(set(cap.params))
-            self._fn = lower(gm, compile, regather=plan.zero == 3, order=order)
+        self._model, self._params = model, None   # the parameters, made by the first program
+        self._program = self._lower(cap, strategies, plan)
+        self._programs = {_shape_key(plan.input_shapes): self._program}
+        self._model = None
         self._zero = (Zero1(self._params, {f for f in self._params if self._sharded(f)}, group=self._shard_group,
-                            size=mesh.dp_shard, rank=self.coords["dp_shard"], norm=self._norm, **across)
+                            size=mesh.dp_shard, rank=self.coords["dp_shard"], norm=self._norm, **self._across)
                       if plan.zero == 1 else None)
         self._offload = None   # HostMasters with plan.offload: what pm.optimizer's optimizers step on the host
         if plan.offload != "none":
@@ -197,17 +159,104 @@ class ParallelModel:
         if self._cuda_graphs:   # replayed graphs read weights and buffers where they were recorded
             for t in [*self._params.values(), *self._buffers.values()]:
                 torch._dynamo.mark_static_address(t)
-        self._slots = [(n.meta.get("kind"), n.meta.get("fqn")) for n in gm.graph.nodes if n.op == "placeholder"]
-        self._input_names = [n.name for n in cap.inputs]
-        self._global_batch = plan.input_shapes[0][0] * mesh.dp * plan.microbatches if plan.input_shapes else None
         self._replaced = _adopt_shards(model, self._params, cap.params, self._device)
         self._ids = {id(p) for p in self._params.values()}
         # optimizers found able to step, with what they were checked against: the hook runs before
         # every step of every optimizer, and an unchanged optimizer needs no second look
         self._passed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         _guard_optimizer_steps(self)
-        if mesh.pp > 1 or any(self._sharded(fqn) for fqn in self._params):
+        if mesh.pp > 1 or self._fsdp or any(self._sharded(fqn) for fqn in self._params):
             model.register_forward_pre_hook(_refuse_unsharded_call)
+
+    def _lower(self, cap, strategies, plan) -> _Program:
+        """This rank's program for the capture ``cap`` (one microbatch's shapes) and its strategies:
+        the passes carrying ``plan`` out, run by the pass driver on the capture (which they leave as
+        it is: the planner's graph), then lowered; with pp > 1 the pipeline splits the result into its
+        stages (pipeline_split_pass, the one step that makes several graphs). The first call makes
+        this rank's parameters; a later one (another batch shape) computes with the same tensors."""
+        mesh, compile = self.mesh, self._compile
+        steps = []
+        if any(n.meta["val"].device != self._device for n in cap.gm.graph.nodes
+               if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)):
+            steps.append((device_pass, dict(device=self._device)))   # captured on meta or another device
+        # a mean over tokens is made the mean over the whole step's tokens (padding, ignore_index)
+        losses = token_losses(cap.gm) if mesh.data * plan.microbatches > 1 else []
+        if losses:
+            steps.append((token_mean_pass, {}))
+        counts = token_count_graph(cap.gm) if losses else None
+        if counts is not None and steps[0][0] is device_pass:
+            counts = device_pass(counts, device=self._device)
+        start, seconds, cuts = cap.gm, [], {}
+        if mesh.cp > 1:
+            check_sequence(plan.input_shapes[0][1], mesh.cp, mesh.tp, plan.sequence_parallel)
+            steps.append((cp_pass, dict(size=mesh.cp, rank=self.coords["cp"], group=self._cp_group,
+                                        seq=plan.input_shapes[0][1], attention=plan.cp_attention)))
+        if steps:
+            # first, in a run of their own: the tp rewrite then sees the rewritten loss and the local
+            # sequence's shapes, on nodes the planner's strategies are handed to by name
+            start, seconds = run_passes(cap.gm, steps, prefix=rank_prefix("cp" if mesh.cp > 1 else "pre"))
+            strategies, steps, cuts = local_strategies(start, strategies), [], cp_cuts(start)
+        if mesh.tp > 1:
+            steps.append((shard_pass, dict(strategies=strategies, size=mesh.tp, rank=self.coords["tp"],
+                                           group=self._tp_group)))
+        if self._loss_kernel is True or (self._loss_kernel == "auto" and _inductor_on_cuda(compile)):
+            steps.append((cross_entropy_kernel_pass, {}))
+        # ZeRO-2/3: every parameter enters as its dp shard and is gathered per unit inside the graph
+        units = gathers = None
+        if self._fsdp:
+            labels, units = zip(*((u.name, [n.name for n in u.nodes]) for u in zero_units(cap)))
+            gathers = unit_params(cap.gm, units, set(cap.params))
+            resharded = {k for k, label in enumerate(labels) if plan.zero == 3 and label not in plan.keep_gathered}
+            # a weight several units of one stage use (a tied embedding) is gathered once for all of them
+            shared = Counter(f for fqns in gathers.values() for f in fqns)
+            steps.append((zero_pass, dict(units=units, rows={p.fqn: p.local_shape[0] for p in plan.parameters},
+                                          group=self._shard_group, size=mesh.dp_shard, **self._across,
+                                          dtype=compute_dtype(plan.precision) if plan.precision != "fp32" else None,
+                                          reshard=resharded,
+                                          recomputed={n for r in plan.recompute_regions for n in r},
+                                          once={f for f, n in shared.items() if n > 1} if mesh.pp == 1 else set(),
+                                          prefetch=_prefetches(compile))))
+        if plan.precision != "fp32":
+            # inputs and buffers are cast in the graph, where it can leave those computing tables alone;
+            # weights too with one microbatch on one stage (else ``WorkingCopies`` shares one copy)
+            # (ZeRO-2/3 gathers the weights at the compute dtype: none is cast here)
+            floats = {n.name for n in cap.gm.graph.nodes if n.op == "placeholder" and is_float(n)
+                      and ((self._in_graph and not self._fsdp) or n.meta.get("kind") != "param")}
+            steps.append((precision_pass, dict(precision=plan.precision, floats=floats,
+                                               stage_of=self._stage_of(cap, plan, units, gathers, cuts))))
+        if plan.recompute_regions:
+            steps.append((recompute_pass, dict(regions=[set(r) for r in plan.recompute_regions])))
+        # (pass name, seconds) per pass; AUTOPAR_DUMP=DIR writes each graph before and after it
+        gm, more = run_passes(start, steps, prefix=rank_prefix())
+        order = peer_order(self.coords) if uses_inductor(compile) else None
+
+        def materialize(fqns):
+            if self._params is not None:
+                return {f: self._params[f] for f in fqns if f in self._params}
+            local = _materialize(self._model, cap, self._placement, mesh.tp, self.coords["tp"], fqns)
+            if not self._fsdp:
+                return local
+            return {f: _dp_shard(q, mesh.dp_shard, self.coords["dp_shard"]) for f, q in local.items()}
+
+        pipeline = fn = None
+        if mesh.pp > 1:
+            pipeline = Pipeline(gm, self._stage_of(cap, plan, units, gathers, cuts), plan, self._dmesh,
+                                rank=self.coords["pp"], materialize=materialize,
+                                buffers=self._buffers, device=self._device, prepare=self._casts,
+                                loss_scale=lambda: self.loss_scale,
+                                wrap=lambda g: lower(g, compile, regather=plan.zero == 3, order=order))
+            if self._params is None:
+                self._params = pipeline.params
+        else:
+            if self._params is None:
+                self._params = materialize(set(cap.params))
+            fn = lower(gm, compile, regather=plan.zero == 3, order=order)
+        return _Program(shapes=_shape_key(plan.input_shapes), graph_module=gm, fn=fn,
+                        pipeline=pipeline, counts=counts, counted=[t.counted for t in losses],
+                        pass_seconds=seconds + more,
+                        slots=[(n.meta.get("kind"), n.meta.get("fqn")) for n in gm.graph.nodes
+                               if n.op == "placeholder"],
+                        input_names=[n.name for n in cap.inputs])
 
     @staticmethod
     def _stage_of(cap, plan, units, gathers, cuts) -> dict[str, int] | None:
@@ -264,26 +313,91 @@ class ParallelModel:
                            "update them; step only the MasterAdamW that pm.optimizer built, or parallelize a "
                            "fresh model for another optimizer")
 
-    def optimizer(self, cls=torch.optim.AdamW, **kwargs):
-        """An optimizer over the local shards; with zero=1 its state is also sharded over dp.
+    def optimizer(self, cls=torch.optim.AdamW, params=None, **defaults):
+        """``cls`` over this rank's local shards, built for how this model keeps its gradients and
+        weights; with zero=1 its state is also sharded over dp. ``params`` as torch optimizers take
+        it: None (every local shard), an iterable of this rank's parameters (``parameters()``, the
+        parallelized model's ``parameters()``: the same tensors), or a list of group dicts, each
+        ``{"params": ..., **options}`` (e.g. no weight decay on norms and biases); ``defaults``
+        (``lr=...``) apply where a group sets no option of its own. A 0-element parameter (a weight
+        of a pipeline stage this rank does not run) is left out of its group; a tensor that is not
+        one of this rank's parameters, or one in two groups, raises ValueError.
         ``cls=autopar.MasterAdamW`` (bf16) also makes the graph compute on persistent bf16 copies
         that the optimizer writes (``autopar.runtime.master_weights``). With ``plan.offload``
         "optimizer" ``cls`` steps fp32 host copies of the shards on the CPU
-        (``autopar.runtime.offload``)."""
+        (``autopar.runtime.offload``); under zero=1 each group steps its runs of the dp slice
+        (``autopar.runtime.zero.SliceOptimizer``)."""
+        groups = self._param_groups(params)
         if self._offload is not None:
             if cls is MasterAdamW:
                 raise ValueError("offload='optimizer' already keeps the fp32 master weights (in host memory) and "
                                  "writes the device's working weights after each step; use "
                                  "pm.optimizer(torch.optim.AdamW, ...)")
-            inner = host_optimizer(cls, list(self._offload.masters.values()), **kwargs)
-            if self._zero is not None:
-                return Zero1OffloadOptimizer(self._zero, self._offload, inner)
-            return OffloadOptimizer(self._offload, inner)
+            return offloaded_optimizer(cls, self._offload, groups, defaults, zero=self._zero)
+        held = (list(self.parameters()) if groups is None else
+                [{**options, "params": [self._params[f] for f in fqns]} for fqns, options in groups])
         if cls is MasterAdamW:
-            return MasterAdamW(self.parameters(), self._working_weights(), **kwargs)
+            return MasterAdamW(held, self._working_weights(), **defaults)
         if self._zero is not None:
-            return self._zero.make_optimizer(cls, **kwargs)
-        return cls(self.parameters(), **kwargs)
+            return self._zero.make_optimizer(cls, groups, **defaults)
+        return cls(held, **defaults)
+
+    def _param_groups(self, params) -> list[tuple[list[str], dict]] | None:
+        """``optimizer``'s ``params`` as (FQNs, options) per group, checked; None for every shard."""
+        if params is None:
+            return None
+        if isinstance(params, (torch.Tensor, dict)):
+            raise TypeError(f"pm.optimizer(cls, params): params is one {type(params).__name__}; pass an iterable "
+                            "of parameters or a list of group dicts, as torch optimizers take them "
+                            "(e.g. [p] or [{'params': [p], 'weight_decay': 0.0}])")
+        given = list(params)
+        if not given:
+            raise ValueError("pm.optimizer(cls, params): params is empty; pass this rank's parameters "
+                             "(pm.parameters()) or groups of them, or leave params out for all of them")
+        dicts = [isinstance(g, dict) for g in given]
+        if any(dicts) and not all(dicts):
+            raise TypeError("pm.optimizer(cls, params): params mixes group dicts and tensors; put every "
+                            "parameter in a group dict, {'params': [...], **options}")
+        if not any(dicts):
+            given = [{"params": given}]
+        fqn_of = {id(p): fqn for fqn, p in self._params.items()}
+        where: dict[str, int] = {}
+        out = []
+        for k, group in enumerate(given):
+            if "params" not in group:
+                raise ValueError(f"parameter group {k} has no 'params' key; each group is "
+                                 "{'params': [...], **options}")
+            members = group["params"]
+            fqns = []
+            for p in [members] if isinstance(members, torch.Tensor) else list(members):
+                fqn = fqn_of.get(id(p))
+                if fqn is None and self._foreign(p, k):
+                    continue
+                if fqn in where:
+                    twice = (f"twice in parameter group {k}" if where[fqn] == k
+                             else f"in parameter groups {where[fqn]} and {k}")
+                    raise ValueError(f"{fqn} is {twice} (tied weights are one tensor under all their names): put "
+                                     "each parameter in one group, once")
+                where[fqn] = k
+                fqns.append(fqn)
+            out.append((fqns, {key: value for key, value in group.items() if key != "params"}))
+        return out
+
+    def _foreign(self, p, k: int) -> bool:
+        """For a tensor of group ``k`` that is not one of this rank's shards: True (leave it out) for a
+        0-element parameter, the weight of a pipeline stage this rank does not run; else raise."""
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"parameter group {k} holds a {type(p).__name__}, not a tensor: pass this rank's "
+                            "parameters (pm.parameters())")
+        if (r := self._replaced.get(id(p))) is not None and r() is p:
+            raise ValueError(f"parameter group {k} holds a parameter the model had before autopar.parallelize "
+                             "replaced it with this rank's shard; build the groups after parallelize, from "
+                             "pm.named_parameters() or the model's (now the same tensors)")
+        if p.numel() == 0:
+            return True
+        raise ValueError(f"parameter group {k} holds a tensor of shape {tuple(p.shape)} that is not one of this "
+                         "rank's parameters (a tensor of another model?); build the groups from "
+                         "pm.named_parameters() or the parallelized model's named_parameters()")
 
     def _working_weights(self) -> WorkingWeights:
         why = [what for what, bad in (
@@ -314,31 +428,48 @@ class ParallelModel:
         """What backward's loss is multiplied by: the fp16 loss scale, else 1."""
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
-    def __call__(self, *inputs):
-        """Forward only: this rank's loss for one dp-local microbatch (pp=1)."""
-        if self._pipeline is not None:
-            raise NotImplementedError("with pp > 1 the schedule runs forward and backward together; "
-                                      "use train_step")
-        args, it = [], iter(inputs)
-        if self._master is not None:
-            self._master.refresh()
-        params = self._master.copies if self._master is not None else self._params
-        for kind, fqn in self._slots:
-            args.append(self._casts(fqn, params[fqn]) if kind == "param"
-                        else self._casts(fqn, self._buffers[fqn]) if kind == "buffer" else next(it))
-        out = self._fn(*args)
-        return out[0] if isinstance(out, (tuple, list)) else out
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        """This rank's program as the passes left it (before any pipeline split), for the plan's batch shapes."""
+        return self._programs[_shape_key(self.plan.input_shapes)].graph_module
+
+    @property
+    def pass_seconds(self) -> list:
+        """(pass name, seconds) of each pass that built ``graph_module`` (``autopar.passes.driver``)."""
+        return self._programs[_shape_key(self.plan.input_shapes)].pass_seconds
+
+    @property
+    def _pipeline(self) -> Pipeline | None:
+        return self._program.pipeline
+
+    def __call__(self, *inputs) -> torch.Tensor:
+        """The loss of a batch, forward only: ``eval_step``."""
+        return self.eval_step(*inputs)
+
+    def eval_step(self, *inputs) -> torch.Tensor:
+        """The loss of a batch, forward only (no gradients, no update): what ``train_step`` would
+        return for it, the mean over every microbatch and dp rank. Inputs as ``train_step`` takes them."""
+        program, inputs = self._prepare(inputs)
+        with torch.no_grad(), self._casts.step():
+            if program.pipeline is not None:
+                total = program.pipeline.step(dict(zip(program.input_names, inputs)), train=False)
+            else:
+                m = self.plan.microbatches
+                total = sum(self._forward(program, chunk) for chunk in _chunks(inputs, m)) / m
+        if self.mesh.data > 1:
+            total = C.all_reduce(total, self._data_group) / self.mesh.data
+        return total
 
     def train_step(self, *inputs) -> torch.Tensor:
         """Forward and backward over all microbatches, then gradient sync over dp.
 
-        Inputs are the global batch (each dp rank takes its slice) or already this dp
-        rank's slice. Returns the loss averaged over microbatches and dp ranks (exactly
-        the full batch's mean loss when every microbatch has the same token count)."""
+        Inputs are the global batch (each dp rank takes its slice), or this dp rank's own rows
+        when their count is the plan's per-rank batch (the global batch / dp). A batch or sequence
+        length other than the plan's is lowered anew once, with the plan's choices. Returns the
+        full batch's loss: a mean over tokens is over the tokens of every microbatch and rank
+        (``autopar.passes.token_mean``), as the unsharded model computes it."""
         m = self.plan.microbatches
-        inputs = [self._dp_slice(x) for x in inputs]
-        if self.mesh.cp > 1:
-            self._check_sequence(inputs)
+        program, inputs = self._prepare(inputs)
         if self._master is not None and (self._master.reduced is not None or self._master.grads()):
             raise RuntimeError("MasterAdamW's gradients do not add up across train_step calls (they would "
                                "in bf16): call opt.zero_grad() before each train_step, or use microbatches "
@@ -346,11 +477,15 @@ class ParallelModel:
         if self._cuda_graphs:   # the last step's graph outputs are consumed: their memory may be reused
             torch.compiler.cudagraph_mark_step_begin()
         with self._casts.step():
-            if self._pipeline is not None:
-                total = self._pipeline.step(dict(zip(self._input_names, inputs)))
+            if program.pipeline is not None:
+                total = program.pipeline.step(dict(zip(program.input_names, inputs)))
             else:
-                total = self._microbatches(inputs, m)
-        if self.mesh.data > 1:   # each cp rank's loss is its share times cp (passes.context_parallel)
+                total = 0.0
+                for chunk in _chunks(inputs, m):
+                    loss = self._forward(program, chunk)
+                    (loss * self.loss_scale / m).backward()
+                    total = total + loss.detach() / m
+        if self.mesh.data > 1:   # the ranks' losses average to the batch's (passes.token_mean)
             total = C.all_reduce(total, self._data_group) / self.mesh.data
         # (ZeRO-2/3: the gathers' backward already left every shard its dp-mean gradient)
         if self._zero is not None:   # at dp=1 too: the optimizer steps the slice, which only this fills
@@ -376,35 +511,98 @@ class ParallelModel:
             for p in holders:
                 p.grad = None   # torch optimizers leave a parameter without a gradient untouched
 
-    def _microbatches(self, inputs, m: int) -> torch.Tensor:
-        total = 0.0
-        for chunk in zip(*[x.chunk(m) if isinstance(x, torch.Tensor) else [x] * m for x in inputs]):
-            loss = self(*chunk)
-            (loss * self.loss_scale / m).backward()
-            total = total + loss.detach() / m
-        return total
+    def _forward(self, program: _Program, inputs) -> torch.Tensor:
+        """One microbatch's forward through ``program`` (pp = 1): this rank's share of the loss."""
+        args, it = [], iter(inputs)
+        if self._master is not None:
+            self._master.refresh()
+        params = self._master.copies if self._master is not None else self._params
+        for kind, fqn in program.slots:
+            args.append(self._casts(fqn, params[fqn]) if kind == "param"
+                        else self._casts(fqn, self._buffers[fqn]) if kind == "buffer" else next(it))
+        out = program.fn(*args)
+        return out[0] if isinstance(out, (tuple, list)) else out
 
-    def _check_sequence(self, inputs) -> None:
-        """Refuse a batch whose sequences are not the planned length: the rank's positions, chunks
-        and reshapes were fixed for it (``passes.context_parallel``), so its positions would be wrong."""
-        seq = self.plan.input_shapes[0][1]
-        for x in inputs:
-            if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] != seq:
-                raise ValueError(f"cp={self.mesh.cp}: the batch has sequences of {x.shape[1]} tokens but the plan "
-                                 f"was made for {seq}; each cp rank's positions and chunks are fixed by the example "
-                                 f"batch, so they would be wrong: parallelize with an example batch of the training "
-                                 f"sequence length")
+    def _prepare(self, inputs) -> tuple[_Program, list]:
+        """This rank's rows of a batch and the program for their shapes (lowered now if new), with
+        the step's token-mean scales written."""
+        # token ids are cheap to copy, and a slice of a batch along the sequence is not contiguous
+        inputs = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in self._dp_rows(list(inputs))]
+        m = self.plan.microbatches
+        rows = _batch_of(inputs)
+        if rows % m:
+            raise ValueError(f"this rank's {rows} rows of the batch do not split into the plan's {m} microbatches: "
+                             f"give each dp rank a multiple of {m} rows")
+        shapes = _shape_key(tuple((rows // m, *x.shape[1:]) if x.dim() else () for x in inputs
+                                  if isinstance(x, torch.Tensor)))
+        program = self._programs.get(shapes)
+        if program is None:
+            program = self._programs[shapes] = self._relower(inputs, shapes)
+        self._program = program
+        self._write_token_scales(program, inputs)
+        return program, inputs
 
-    def _dp_slice(self, x):
-        if not isinstance(x, torch.Tensor) or self.mesh.dp == 1:
-            return x
-        local = self._global_batch // self.mesh.dp
-        if x.shape[0] == self._global_batch:
-            return x.narrow(0, self.coords["dp"] * local, local)
-        if x.shape[0] == local:
-            return x
-        raise ValueError(f"input batch {x.shape[0]}: expected the global batch {self._global_batch} "
-                         f"or this dp rank's {local}")
+    def _relower(self, inputs, shapes) -> _Program:
+        """The program for microbatch inputs of ``shapes``, other than the plan's: captured again
+        (``recapture``) and lowered with the plan's choices."""
+        planned = [list(s) for s in self.plan.input_shapes]
+        if self._recapture is None:
+            raise ValueError(f"the plan was made for microbatch inputs of shapes {planned} and this batch's are "
+                             f"{list(map(list, shapes))}: parallelize with an example batch of these shapes")
+        if self.mesh.cp > 1 and shapes and len(shapes[0]) > 1:
+            check_sequence(shapes[0][1], self.mesh.cp, self.mesh.tp, self.plan.sequence_parallel)
+        warnings.warn(f"autopar: lowering the step again for microbatch inputs of shapes {list(map(list, shapes))} "
+                      f"(the plan was made for {planned}); each new shape compiles once", stacklevel=3)
+        dp = self.mesh.dp
+        example = tuple(x.new_empty((x.shape[0] * dp, *x.shape[1:]), device="meta")
+                        if isinstance(x, torch.Tensor) and x.dim() else x for x in inputs)
+        try:
+            cap, strategies, plan = self._recapture(example)
+        except Exception as e:
+            raise ValueError(f"this batch (microbatch inputs of shapes {list(map(list, shapes))}; the plan was made "
+                             f"for {planned}) cannot run with the plan's choices: {type(e).__name__}: {e}") from e
+        missing = sorted(set(cap.buffers) - set(self._buffers))
+        if missing:
+            raise ValueError(f"at microbatch inputs of shapes {list(map(list, shapes))} the model's forward uses "
+                             f"tensors it did not at {planned} ({', '.join(missing)}): parallelize with an example "
+                             "batch of these shapes")
+        return self._lower(cap, strategies, plan)
+
+    def _write_token_scales(self, program: _Program, inputs) -> None:
+        """Write each token loss's scale (``passes.token_mean``): ``ranks / tokens`` for a mean, ``tokens``
+        counted on every microbatch of this rank and summed over dp, ``ranks`` for a sum; ``ranks``
+        the losses averaged (dp x cp x microbatches)."""
+        if not program.counted:
+            return
+        m = self.plan.microbatches
+        ranks = self.mesh.data * m
+        if program.counts is not None:
+            slots = [n.meta for n in program.counts.graph.nodes if n.op == "placeholder"]
+            total = 0
+            for chunk in _chunks(inputs, m):
+                named = dict(zip(program.input_names, (x for x in chunk if isinstance(x, torch.Tensor))))
+                total = total + program.counts(*[self._buffers[s["fqn"]] if s.get("kind") == "buffer"
+                                                 else named[s["name"]] for s in slots])
+            if self.mesh.dp > 1:   # the cp ranks of a dp rank count the same whole sequences
+                total = C.all_reduce(total, self._dp_group)
+            means = iter((ranks / total).float())
+        for k, counted in enumerate(program.counted):
+            scale = self._buffers[scale_name(k)]
+            scale.copy_(next(means)) if counted else scale.fill_(ranks)
+
+    def _dp_rows(self, inputs: list) -> list:
+        """This dp rank's rows of ``inputs``: a batch of the plan's per-rank size is this rank's own
+        rows; any other is a global batch, split over dp."""
+        rows = _batch_of(inputs)
+        dp = self.mesh.dp
+        local = self.plan.input_shapes[0][0] * self.plan.microbatches if self.plan.input_shapes else rows
+        if dp == 1 or rows == local:
+            return inputs
+        if rows % dp:
+            raise ValueError(f"a batch of {rows} rows does not split over dp={dp}: pass a multiple of {dp} rows "
+                             f"(the global batch), or this rank's own {local} rows")
+        return [x.narrow(0, self.coords["dp"] * (rows // dp), rows // dp)
+                if isinstance(x, torch.Tensor) and x.dim() else x for x in inputs]
 
     # ---- gradients -----------------------------------------------------------------------
 
@@ -602,6 +800,25 @@ def _inductor_on_cuda(compile) -> bool:
             and triton_available())
 
 
+def _batch_of(inputs) -> int:
+    """The rows of a batch: dim 0 of its tensor inputs, which must agree."""
+    rows = {tuple(x.shape)[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim()}
+    if len(rows) != 1:
+        shapes = ", ".join(str(list(x.shape)) for x in inputs if isinstance(x, torch.Tensor))
+        raise ValueError(f"the inputs' shapes {shapes or '(none)'}: every tensor input must have the batch in dim 0, "
+                         "with the same number of rows")
+    return rows.pop()
+
+
+def _chunks(inputs, m: int):
+    """The ``m`` microbatches of ``inputs`` (dim 0 of every tensor)."""
+    return zip(*[x.chunk(m) if isinstance(x, torch.Tensor) and x.dim() else [x] * m for x in inputs])
+
+
+def _shape_key(shapes) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(d) for d in s) for s in shapes)
+
+
 def _comm_device():
     return torch.device("cuda", torch.cuda.current_device()) if default_device_type() == "cuda" else torch.device("cpu")
 
@@ -658,8 +875,8 @@ def _guard_optimizer_steps(pm: ParallelModel) -> None:
 def _refuse_unsharded_call(module, args):
     raise RuntimeError(f"this {type(module).__name__} was given to autopar.parallelize: its parameters are now "
                        "this rank's shards, not its full weights, so it no longer runs on its own; run "
-                       "pm.train_step(...) (or pm(...) for the forward), or load pm.full_state_dict() into a "
-                       "freshly built model")
+                       "pm.train_step(...) (or pm.eval_step(...) for the loss alone), or load "
+                       "pm.full_state_dict() into a freshly built model")
 
 
 def _dp_shard(p: torch.nn.Parameter, size: int, rank: int) -> torch.nn.Parameter:

@@ -90,13 +90,30 @@ class Pipeline:
         self.schedule = make_schedule(plan.schedule, self.stages, plan.microbatches, loss_fn)
         self.params = params
 
-    def step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One schedule step over every microbatch; the loss, averaged, on every pp rank."""
+    def step(self, inputs: dict[str, torch.Tensor], *, train: bool = True) -> torch.Tensor:
+        """One schedule step over every microbatch (forward only with ``train`` False); the loss,
+        averaged, on every pp rank."""
         losses: list = []
         # only the first stage's rank feeds the batch (torch 2.11's schedules refuse it elsewhere)
         first = [inputs[name] for name in self.sg.first_inputs] if 0 in self.mine else []
-        self.schedule.step(*first, target=inputs[self.sg.label_inputs[0]], losses=losses)
+        if train:
+            self.schedule.step(*first, target=inputs[self.sg.label_inputs[0]], losses=losses)
+        else:
+            # the training schedule's own forward-only step (a second schedule over the same stages would
+            # leave their receive buffers set up without gradients for the next training step); it
+            # still divides the gradients by the microbatch count at its end (torch 2.13), so the
+            # step's gradients are put aside meanwhile
+            held = {f: p.grad for f, p in self.params.items()}
+            for p in self.params.values():
+                p.grad = None
+            try:
+                self.schedule.eval(*first, target=inputs[self.sg.label_inputs[0]], losses=losses)
+            finally:
+                for f, p in self.params.items():
+                    p.grad = held[f]
         loss = torch.stack([l.detach() for l in losses]).mean() / self.loss_scale() if self.last else torch.zeros(())
+        if not train:
+            return C.all_reduce(loss.to(self.device).float(), self.pp_group)
         for f in self.shared:   # a weight on several stages: its gradient is the sum over them
             p = self.params.get(f)
             g = p.grad if p is not None and p.grad is not None else torch.zeros(self.plan.param(f).local_shape)
