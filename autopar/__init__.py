@@ -10,7 +10,7 @@ work after a plain ``import autopar``.
 import importlib
 import importlib.util
 
-from autopar.api import parallelize, plan
+from autopar.api import cost_expr, parallelize, plan
 from autopar.determinism import set_deterministic
 from autopar.flops import FlopsReport, flops_report, report_table
 from autopar.runtime.master_weights import MasterAdamW
@@ -20,7 +20,7 @@ from autopar.placement import Partial, Replicate, Shard
 from autopar.plans import Plan, PlanFormatError
 from autopar.errors import PlanError
 
-__all__ = ["parallelize", "plan", "Mesh", "Plan", "ParallelModel", "PlanError", "PlanFormatError",
+__all__ = ["parallelize", "plan", "cost_expr", "Mesh", "Plan", "ParallelModel", "PlanError", "PlanFormatError",
            "Shard", "Replicate", "Partial", "set_deterministic", "MasterAdamW",
            "flops_report", "FlopsReport", "report_table"]
 

@@ -321,6 +321,7 @@ def _calibrate(args) -> int:
     import torch.distributed as dist
 
     from autopar.cost_model.calibrate import calibrate, summary, write_profile
+    from autopar.examples.gpt import reference_step
     from autopar.mesh import Mesh
 
     mesh = Mesh.parse(args.mesh) if args.mesh else None
@@ -329,7 +330,7 @@ def _calibrate(args) -> int:
         init_distributed()
     lead = not dist.is_initialized() or dist.get_rank() == 0
     spec, record = calibrate(quick=args.quick, base=args.base, name=args.name,
-                             mesh=(mesh.dp, mesh.pp, mesh.tp) if mesh else None,
+                             mesh=(mesh.dp, mesh.pp, mesh.tp) if mesh else None, reference=reference_step,
                              log=print if lead else (lambda line: None))
     if lead:
         write_profile(spec, record, args.out)

@@ -29,6 +29,16 @@ def plan(model, mesh, example_inputs, *, device="h100", gpus_per_node=8, world_s
                   **knobs)[2]
 
 
+def cost_expr(plan: Plan, model, example_inputs=None, *, device=None, gpus_per_node: int = 8):
+    """``plan``'s step time and peak memory as sympy expressions in the global batch B and sequence
+    length S, for its strategies, stages and recompute (``autopar.cost_model.symbolic``):
+    ``e = autopar.cost_expr(plan, model); e.step_time; e.at(B, S)``. ``model`` is the model planned
+    (on the meta device is fine); ``device`` is needed when the plan was priced on a profile."""
+    from autopar.cost_model.symbolic import cost_expr as symbolic   # sympy: loaded only when asked for
+    from autopar.planner.stage_cut import plan_layout
+    return symbolic(model, plan, plan_layout, example_inputs, device=device, gpus_per_node=gpus_per_node)
+
+
 def default_device() -> str:
     """The cost-model preset for this machine: its GPU's kind (A100, H100, H200; another GPU gets
     the nearest preset, with a warning), or "cpu"."""

@@ -352,7 +352,7 @@ def _stages(cap, plan) -> dict[Node, int]:
     calls = [n for n in cap.gm.graph.nodes if n.op == "call_function"]
     if not plan.stages:
         return {n: 0 for n in calls}
-    from autopar.passes.units import stage_of_nodes
+    from autopar.graph.units import stage_of_nodes
     where = stage_of_nodes(cap, plan)
     last = len(plan.stages) - 1
     return {n: where.get(n.name, last) for n in calls}   # the loss tail runs on the last stage

@@ -26,9 +26,9 @@ Two ways in:
 - ``swap_linears(model)`` turns the model's ``nn.Linear`` modules into ``Fp8Linear`` in place (for a
   plain model, under torch.compile or eager). The output projection (``lm_head``) is kept in its
   own precision by default, as the published recipes do: its logits feed the softmax directly.
-- ``fp8_backend()`` is a torch.compile backend that rewrites every ``aten.linear`` of the graph it
-  is given into the float8 linear (``autopar.passes.fp8.fp8_linear_pass``) and hands it to
-  Inductor; this is how a graph autopar has already sharded gets float8 matmuls:
+- ``autopar.passes.fp8.fp8_backend()`` is a torch.compile backend that rewrites every ``aten.linear``
+  of the graph it is given into the float8 linear (``fp8_linear_pass``) and hands it to Inductor;
+  this is how a graph autopar has already sharded gets float8 matmuls:
   ``autopar.parallelize(..., compile=fp8_backend())``. There the head is recognised as the linear
   with no other linear after it. With sequence parallelism the
   column-parallel linears are ``collectives.gathered_linear`` (an autograd Function that re-gathers
@@ -47,9 +47,6 @@ the linears with ``transformer_engine.pytorch.Linear``, which run in float8 insi
 benchmarks (Transformer Engine is not installed on the machines they run on).
 """
 from __future__ import annotations
-
-import functools
-import itertools
 
 import torch
 import torch.nn as nn
@@ -138,7 +135,7 @@ def swap_linears(model: nn.Module, *, skip: tuple[str, ...] = ("lm_head",), emul
     """Make every ``nn.Linear`` of ``model`` (but those named in ``skip``) an ``Fp8Linear``, in place.
 
     The parameters are untouched (tied weights stay tied). Returns the FQNs it converted."""
-    _check_fp8_dtypes()
+    check_fp8_dtypes()
     done = []
     for name, module in model.named_modules():
         if type(module) is nn.Linear and name not in skip and name.rsplit(".", 1)[-1] not in skip:
@@ -150,39 +147,8 @@ def swap_linears(model: nn.Module, *, skip: tuple[str, ...] = ("lm_head",), emul
     return done
 
 
-# ---- the torch.compile backend -----------------------------------------------------------------
-
-def fp8_backend(inner="inductor", *, keep_head: bool = True, emulate: bool = False):
-    """A torch.compile backend: ``autopar.passes.fp8.fp8_linear_pass`` on the graph (through the pass
-    driver), then ``inner`` (a backend name or callable). The pass's counts are also written to the
-    ``meta["fp8_linears"]`` of the graph Dynamo hands in.
-
-    ``inner`` may be another backend of this project, e.g. ``autopar.overlap.overlap_backend()``."""
-    _check_fp8_dtypes()
-    if isinstance(inner, str):
-        from torch._dynamo import lookup_backend
-        inner = lookup_backend(inner)
-    if not callable(inner):
-        raise TypeError(f"inner={inner!r}: expected a torch.compile backend name or callable")
-    return functools.partial(_fp8_compile, inner=inner, keep_head=keep_head, emulate=emulate)
-
-
-_compiled_graphs = itertools.count()   # graphs fp8_backend has rewritten in this process
-
-
-def _fp8_compile(gm, example_inputs, *, inner, keep_head, emulate):
-    # imported here: the pass imports fp8_linear from this module
-    from autopar.passes.driver import rank_prefix, run_passes
-    from autopar.passes.fp8 import fp8_linear_pass
-
-    # AUTOPAR_DUMP file names: a process compiles a graph per stage and per graph break
-    out, _ = run_passes(gm, [(fp8_linear_pass, {"keep_head": keep_head, "emulate": emulate})],
-                        prefix=rank_prefix(f"fp8-graph{next(_compiled_graphs)}"))
-    gm.meta["fp8_linears"] = out.meta["fp8_linears"]   # reported on Dynamo's graph too, for a wrapping backend
-    return inner(out, example_inputs)
-
-
-def _check_fp8_dtypes():
+def check_fp8_dtypes():
+    """Raise unless this torch has the float8 dtypes."""
     if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "float8_e5m2"):
         raise RuntimeError(f"torch {torch.__version__} has no float8_e4m3fn/float8_e5m2 dtypes; "
                            "float8 training needs torch 2.1 or newer")

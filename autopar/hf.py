@@ -22,7 +22,7 @@ What the rest of autopar does with these graphs:
   its column shard is on the weight's dim 1, and the fused ``c_attn`` is split on its last
   dim as q, k, v blocks (placement ``S(1)i3``).
 - The causal mask, position ids and rotary tables depend on no input: every layer computes
-  its own copy whole (``passes.capture``), so pipeline stages never send them.
+  its own copy whole (``graph.capture``), so pipeline stages never send them.
 - Grouped-query attention with fewer key/value heads than tp: the key/value projections
   are replicated and the attention, after the heads are repeated, is split by query heads
   (``autopar.planner.megatron``); every tp that divides the query heads works.

@@ -22,7 +22,6 @@ import re
 from dataclasses import dataclass, field
 
 from autopar.mesh import Mesh
-from autopar.plans import held_shape
 
 _STAGE_COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#e15759", "#76b7b2", "#edc948", "#9c755f")
 _MEMORY_PARTS = (("params", "#4e79a7"), ("grads", "#f28e2b"), ("optimizer", "#59a14f"),
@@ -321,7 +320,7 @@ def _parameters(plan) -> str:
         colour = _STAGE_COLOURS[stage_modules.get(owner, 0) % len(_STAGE_COLOURS)]
         cells = "".join(f"<td>{_placement(p.placements[a]) if a in p.placements else ''}</td>" for a in axes)
         tied = f"tied: {', '.join(p.aliases)}" if p.aliases else ""
-        held = list(held_shape(p, plan.zero, plan.dp_shard))   # under ZeRO-2/3 this rank's dp shard of it
+        held = list(plan.held_shape(p))   # under ZeRO-2/3 this rank's dp shard of it
         rows.append(f'<tr data-param="{_e(p.fqn)}"><td class="m" style="border-left:5px solid {colour}">{_e(p.fqn)}</td>'
                     f'<td class="m">{_e(list(p.shape))}</td>{cells}<td class="m">{_e(held)}</td>'
                     f'<td class="muted">{_e(tied)}</td></tr>')

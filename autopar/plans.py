@@ -176,15 +176,6 @@ class Plan:
         denom = self.predicted_step_time * self.peak_flops * devices
         return self.model_flops / denom if denom else 0.0
 
-    def cost_expr(self, model, example_inputs=None, *, device=None, gpus_per_node: int = 8):
-        """Step time and peak memory as sympy expressions in the global batch B and sequence
-        length S, for this plan's strategies, stages and recompute (``autopar.cost_model.symbolic``):
-        ``e = plan.cost_expr(model); e.step_time; e.at(B, S)``. ``model`` is the model planned
-        (on the meta device is fine); ``device`` is needed when the plan was priced on a profile."""
-        from autopar.cost_model.symbolic import cost_expr   # sympy: loaded only when asked for
-        from autopar.planner.stage_cut import plan_layout   # the planner's, and the planner builds Plans
-        return cost_expr(model, self, plan_layout, example_inputs, device=device, gpus_per_node=gpus_per_node)
-
     def derives_as(self, derived: "Plan") -> bool:
         """Whether ``derived``, this plan re-derived from its own choices, records the same local
         shapes, collectives, stages and memory as this plan does: false once a choice was edited
@@ -195,6 +186,14 @@ class Plan:
                     tuple((s.rank, s.modules) for s in plan.stages), plan.recompute_regions)
         return facts(self) == facts(derived) and len(self.memory) == len(derived.memory) and all(
             _close(a, b) for a, b in zip(self.memory, derived.memory))
+
+    def held_shape(self, p: ParamPlan) -> tuple[int, ...]:
+        """The shape of ``p`` one rank holds: its tp shard (``local_shape``), of which ZeRO-2/3 keep only
+        this rank's dp shard of rows, ceil(rows / dp_shard) of them, the last shard zero-padded
+        (``autopar.passes.zero``)."""
+        if self.zero < 2 or self.dp_shard == 1 or not p.local_shape:
+            return p.local_shape
+        return (-(-p.local_shape[0] // self.dp_shard), *p.local_shape[1:])
 
     def param(self, fqn: str) -> ParamPlan:
         for p in self.parameters:
@@ -292,7 +291,7 @@ class Plan:
         for p in _collapse_layers(self.parameters):
             pl = " ".join(f"{a}={v}" for a, v in p.placements.items())
             alias = f"  (tied: {', '.join(p.aliases)})" if p.aliases else ""
-            held = list(held_shape(p, self.zero, mesh.dp_shard))
+            held = list(self.held_shape(p))
             lines.append(f"  {p.fqn:44s} {str(list(p.shape)):16s} {pl:22s} {held}{alias}")
         lines += ["", "Collectives per step (count, MiB, by place):"]
         for c in _collapse_collectives(self.collectives):
@@ -484,15 +483,6 @@ def _held_text(zero: int, mesh: Mesh) -> str:
     if zero == 1:
         return ": the weights' whole tp shard; ZeRO-1's dp S(0) is the optimizer state's"
     return f": this rank's ZeRO-{zero} dp shard, ceil(rows / {mesh.dp_shard}) rows of the tp shard"
-
-
-def held_shape(p: ParamPlan, zero: int, dp_shard: int) -> tuple[int, ...]:
-    """The shape of ``p`` one rank holds: its tp shard (``local_shape``), of which ZeRO-2/3 keep only
-    this rank's dp shard of rows, ceil(rows / dp_shard) of them, the last shard zero-padded
-    (``autopar.passes.zero``)."""
-    if zero < 2 or dp_shard == 1 or not p.local_shape:
-        return p.local_shape
-    return (-(-p.local_shape[0] // dp_shard), *p.local_shape[1:])
 
 
 def _kept_gathered(units: tuple[str, ...]) -> str:

@@ -17,7 +17,7 @@ import torch
 from autopar.planner.decide import decide
 from autopar.examples.gpt import GPT, GPTConfig, example_inputs
 from autopar.passes.pipeline_split import pipeline_split_pass
-from autopar.passes.units import stage_of_nodes
+from autopar.graph.units import stage_of_nodes
 
 
 def _median_seconds(fn, repeats: int = 7) -> float:

@@ -63,7 +63,7 @@ from scipy.optimize import nnls
 
 from .comm import axis_is_inter_node, collective_bytes_on_wire
 from .devices import DEVICES, AttentionSample, CollectiveFit, DeviceSpec, MatmulSample, get_device
-from .memory import VIEW_OPS
+from autopar.graph.views import VIEW_OPS
 from .strategy import op_traffic
 
 MEASURED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -249,38 +249,30 @@ def _idle_gaps(prof, steps: int, most: int = 8) -> dict:
     return dict(idle_s=sum(g[0] for g in gaps) / steps, longest=[(s, a[:80], b[:80]) for s, a, b in gaps[:most]])
 
 
-# The reference GPT whose memory-bound kernels calibrate ``fused_bandwidth`` (no benchmark config)
-_REFERENCE_GPT = dict(vocab_size=32768, block_size=1024, n_layer=4, n_head=12, n_embd=1536)
-_REFERENCE_BATCH = 8
-
-
-def measure_fused_bandwidth(device: str, log: Callable[[str], None] = lambda s: None) -> float:
-    """Bytes/s Inductor's memory-bound kernels reach in a bf16 GPT training step, counting bytes as
-    the cost model does: the reference GPT's memory-bound traffic (``cost_model.strategy.op_traffic``
+def measure_fused_bandwidth(device: str, reference, log: Callable[[str], None] = lambda s: None) -> float:
+    """Bytes/s Inductor's memory-bound kernels reach in a bf16 training step of a reference model,
+    counting bytes as the cost model does: its memory-bound traffic (``cost_model.strategy.op_traffic``
     of its ops without FLOPs) over the GPU time of its kernels that are neither matmuls, attention
-    nor the optimizer (torch.profiler, ``kernel_breakdown``). CUDA only."""
+    nor the optimizer (torch.profiler, ``kernel_breakdown``). CUDA only. ``reference(device)``
+    returns the model, in bf16, and a batch on ``device`` ("meta" included): the CLI's is the
+    example GPT (``autopar.examples.gpt.reference_step``), which the cost model does not import."""
     from autopar.cost_model.compute import node_flops
-    from autopar.examples.gpt import GPT, GPTConfig, example_inputs
-    from autopar.passes.capture import capture_pass
+    from autopar.graph.capture import capture_pass
 
-    cfg = GPTConfig(**_REFERENCE_GPT)
-    with torch.device("meta"):
-        meta = GPT(cfg).to(torch.bfloat16)
-    graph = capture_pass(meta, example_inputs(cfg, _REFERENCE_BATCH, cfg.block_size, device="meta")).gm.graph
+    meta, meta_inputs, what = reference("meta")
+    graph = capture_pass(meta, meta_inputs).gm.graph
     nbytes = sum(op_traffic(n) for n in graph.nodes if n.op == "call_function" and n.target not in VIEW_OPS
                  and node_flops(n) == (0.0, 0.0))
     torch.manual_seed(0)
-    model = GPT(cfg).to(device=device, dtype=torch.bfloat16)
-    idx, tgt = example_inputs(cfg, _REFERENCE_BATCH, cfg.block_size, device=device)
+    model, inputs, _ = reference(device)
     compiled = torch.compile(model)
 
     def step():
-        compiled(idx, tgt).backward()
+        compiled(*inputs).backward()
     for _ in range(3):   # compile, then settle
         step()
     seconds = sum(kernel_breakdown(step)["families"][f] for f in MEMORY_BOUND_FAMILIES)
-    log(f"  memory-bound kernels of a bf16 GPT step ({cfg.n_layer} x h={cfg.n_embd}, {_REFERENCE_BATCH} x "
-        f"{cfg.block_size} tokens, vocab {cfg.vocab_size}): {seconds * 1e3:.2f} ms for "
+    log(f"  memory-bound kernels of a bf16 step of {what}: {seconds * 1e3:.2f} ms for "
         f"{nbytes / 1e9:.2f} GB as counted = {nbytes / seconds / 1e9:.0f} GB/s")
     return nbytes / seconds
 
@@ -432,14 +424,16 @@ def _host_memory() -> int:
 
 
 def calibrate(*, quick: bool = False, base: str | DeviceSpec | None = None, name: str | None = None,
-              mesh: tuple[int, int, int] | None = None,
+              mesh: tuple[int, int, int] | None = None, reference=None,
               log: Callable[[str], None] = lambda s: None) -> tuple[DeviceSpec, dict]:
     """Measure this machine; returns the profile's DeviceSpec and the raw ``calibration`` record.
 
     ``base``: the preset (or spec) supplying what is not measured (default: guessed from the GPU's
     name, "cpu" without a GPU). ``mesh``: (dp, pp, tp) whose axes get collective measurements when a
     process group of several ranks exists (default: all ranks on tp). Under a process group every
-    rank must call this; the results agree only approximately between ranks, so keep rank 0's."""
+    rank must call this; the results agree only approximately between ranks, so keep rank 0's.
+    ``reference``: the model whose bf16 step measures Inductor's memory-bound bandwidth on a GPU
+    (``measure_fused_bandwidth``); without it that figure is left unmeasured (0)."""
     device = device_kind()
     base_spec = get_device(base if base is not None else _guess_base(device))
     started = time.perf_counter()
@@ -457,7 +451,7 @@ def calibrate(*, quick: bool = False, base: str | DeviceSpec | None = None, name
     log(f"  memory bandwidth (copy of {copy_bytes / 2**20:.0f} MiB): {bandwidth / 1e9:.1f} GB/s")
     launch = measure_launch_overhead(device, min_time=min_time)
     log(f"  launch overhead: {launch * 1e6:.2f} us per op")
-    fused = measure_fused_bandwidth(device, log=log) if gpu else 0.0
+    fused = measure_fused_bandwidth(device, reference, log=log) if gpu and reference is not None else 0.0
     # large enough that the step's Python overhead does not count
     optimizer = measure_optimizer_bandwidth(device, 2**28 if gpu else 2**21, min_time=min_time)
     log(f"  AdamW update: {optimizer / 1e9:.1f} GB/s of parameter and state traffic")

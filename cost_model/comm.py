@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .devices import DeviceSpec
+from .devices import COLLECTIVES, DeviceSpec
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 # How many ring passes each collective makes: it scales both the (n-1)/n bytes and the n-1 steps.
 _RING = {

@@ -70,7 +70,7 @@ import math
 import torch
 from torch.fx import Node
 
-from autopar.passes.rules import shape
+from autopar.graph.rules import shape
 from autopar.placement import local_shape
 
 from .comm import axis_is_inter_node, collective_time, send_recv_time

@@ -65,6 +65,8 @@ _STR_ALIASES = {
 GiB = 2**30
 
 TIERS = ("intra", "inter")
+# the collectives a profile may fit (``cost_model.comm`` prices them)
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -390,7 +392,6 @@ def _validate(spec: DeviceSpec) -> None:
                              f"got {s.causal!r}")
     seen = set()
     for i, f in enumerate(spec.collective_fits):
-        from .comm import COLLECTIVES   # deferred: comm imports this module, and presets have no fits
         at = f"device {spec.name!r}: field 'collective_fits' [{i}]"
         if not isinstance(f, CollectiveFit):
             raise ValueError(f"{at} must be a CollectiveFit, got {f!r}")

@@ -25,12 +25,12 @@ import math
 import operator
 from itertools import accumulate
 
-import numpy as np
 import torch
 from torch.fx import Node
 
-from autopar.passes.capture import graph_cached
-from autopar.passes.units import zero_units
+from autopar.graph.capture import graph_cached
+from autopar.graph.units import zero_units
+from autopar.graph.views import CASTS, VIEW_OPS, base_of, drops
 from autopar.placement import local_shape
 
 from .compute import node_flops
@@ -38,13 +38,6 @@ from .memo import cached, strategies_of
 from .repeats import back, block_shift, shifted
 
 aten = torch.ops.aten
-
-# ops whose output aliases their input: free to run, and they keep no storage of their own
-VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
-            aten.permute.default, aten.t.default, aten.split.Tensor, aten.split_with_sizes.default,
-            aten.chunk.default, aten.alias.default, aten.expand.default, aten.slice.Tensor,
-            aten.unsqueeze.default, aten.squeeze.dim, aten.detach.default, aten.select.int, aten.unbind.int,
-            aten.unflatten.int, aten.flatten.using_ints, aten.view_as_complex.default, aten.view_as_real.default}
 
 # op -> what it keeps: ("in", k) input k, ("out",) its output, ("mask",) a bool of the output's
 # shape, ("stats", k) k fp32 numbers per normalised row, ("lse",) fp32 per (batch, head, query)
@@ -71,30 +64,6 @@ SAVES = {
 }
 
 
-_VIEWS_OR_ITEM = VIEW_OPS | {operator.getitem}
-
-
-def base_of(node: Node) -> Node:
-    """The node whose storage ``node`` views (a dropout that drops nothing is its input)."""
-    while node.op == "call_function" and (node.target in _VIEWS_OR_ITEM
-                                          or node.target is aten.dropout.default and not _drops(node)):
-        node = node.args[0]
-    return node
-
-
-def looks_through(node: Node) -> bool:
-    """Whether what is kept of ``node`` is priced as what it views or casts (``base_of``, ``_graph_input``)."""
-    return node.op == "call_function" and (base_of(node) is not node or node.target in CASTS)
-
-
-def _drops(node: Node) -> bool:
-    return _dropout_p(node) > 0 and len(node.args) > 2 and bool(node.args[2])
-
-
-def _dropout_p(node: Node) -> float:
-    return float(node.args[1]) if len(node.args) > 1 else 0.5
-
-
 def _bytes(shape, dtype) -> float:
     return float(math.prod(shape)) * dtype.itemsize   # no tensor made per call: this runs per kept tensor
 
@@ -112,14 +81,14 @@ def _kept_storage(arg: Node, pl, size: int):
 
 def saved_tensors(node: Node, strategies: dict, size: int):
     """[(storage key, bytes)] that ``node`` keeps for backward under the plan, on an axis of ``size``."""
-    from autopar.passes.reshard import regathers, reshard_steps
+    from autopar.graph.reshard import regathers, reshard_steps
 
     strategy = strategies[node]
     out = []
     val = node.meta.get("val")
     ins = node.all_input_nodes
     rules = SAVES.get(node.target, [])
-    if node.target is aten.dropout.default and _drops(node):
+    if node.target is aten.dropout.default and drops(node):
         rules = [("mask",)]
     for rule in rules:
         if rule[0] == "in":
@@ -218,9 +187,6 @@ def _backward_transient(node: Node, s, size: int) -> float:
 # so a tensor kept for one of those must exist in memory (the partitioner bans its recompute)
 FUSED_BACKWARD = {aten.layer_norm.default, aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
                   aten.cross_entropy_loss.default}
-CASTS = {aten._to_copy.default, aten.to.dtype, aten.type_as.default}
-
-
 def _fused_backward(node: Node) -> bool:
     t = node.target
     return t in FUSED_BACKWARD or isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags

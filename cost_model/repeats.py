@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from autopar.passes.capture import graph_cached
-from autopar.passes.units import find_blocks
+from autopar.graph.capture import graph_cached
+from autopar.graph.units import find_blocks
+from autopar.graph.views import looks_through
 
 from .memo import cached, strategies_of
 
@@ -47,7 +48,6 @@ def block_shift(cap) -> BlockShift | None:
     block 0's, and any other node the same one), its parameters used in it alone, and what it
     reads of the block before it a tensor of its own, not a view or cast (the memory model looks
     through those to what they read, which a shift would not map). None otherwise."""
-    from .memory import looks_through   # the memory model imports this module
 
     blocks = find_blocks(cap)
     if not blocks or len(blocks) < 3 or len({len(b) for b in blocks}) != 1:

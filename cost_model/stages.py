@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from autopar.passes.rules import is_float
+from autopar.graph.rules import is_float
 from autopar.placement import Shard, local_shape
 
 from .comm import axis_is_inter_node, collective_time

@@ -177,7 +177,7 @@ def zero_exposed_time(gather, regather, scatter, unit_seconds, *, backward_prefe
 
 def zero_unit_figures(strategies: dict, units, tp: int, dev, tp_inter: bool) -> list[tuple[float, float]]:
     """``dp_sync_time``'s ``units`` without pipeline stages: per unit (anything with the ``nodes`` it
-    runs, ``passes.units.zero_units``), the local bytes of the parameters its ops use (a weight
+    runs, ``graph.units.zero_units``), the local bytes of the parameters its ops use (a weight
     several units use, a tied embedding, counts in the first: one gather serves them all) and its
     ops' forward and backward seconds as ``flat_compute_time`` prices them, for one microbatch
     (once per graph, units and strategies, ``cost_model.memo``)."""

@@ -1,11 +1,11 @@
 """Prices of one op under one sharding strategy, and of the tensor-parallel collectives a set of
 strategies makes the rewrite emit.
 
-A strategy (``passes.rules.Strategy``) divides an op's work by ``divisor`` and may run
+A strategy (``graph.rules.Strategy``) divides an op's work by ``divisor`` and may run
 collectives inside it (``comm``: per-row fp32 reductions); a parameter's strategy fixes its
 local shard, whose bytes the optimizer update and the dp gradient sync are linear in. Between
 ops, the collectives that move a producer's placement into the one its consumer asks for are
-those of ``passes.reshard`` (forward and backward), each paying ``LAUNCH_OVERHEAD`` in the ILP.
+those of ``graph.reshard`` (forward and backward), each paying ``LAUNCH_OVERHEAD`` in the ILP.
 The planner's ILP coefficients (``autopar.planner``), the pipeline's unit costs
 (``cost_model.stages``), the plan's step time and the symbolic costs all price ops here.
 """
@@ -15,14 +15,14 @@ import numpy as np
 import torch
 from torch.fx import Node
 
-from autopar.passes.reshard import ReshardError, can_regather, reshard_steps, step_collectives
-from autopar.passes.rules import POINTWISE, is_float, shape
+from autopar.graph.reshard import ReshardError, can_regather, reshard_steps, step_collectives
+from autopar.graph.rules import POINTWISE, is_float, shape
 from autopar.placement import R, Placement, local_shape
 
 from .comm import collective_time, summed_bytes
 from .compute import attention_kind, compute_time, node_bytes, node_flops
 from .memo import cached, strategies_of
-from .memory import VIEW_OPS
+from autopar.graph.views import VIEW_OPS
 from .repeats import twin
 
 # Fixed host-side cost of issuing one collective (kernel launch, stream sync). Besides being

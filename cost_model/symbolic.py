@@ -1,6 +1,6 @@
 """A plan's step time and peak memory as sympy expressions in the global batch B and sequence length S.
 
-``cost_expr(model, plan)`` (or ``Plan.cost_expr(model)``) returns a ``CostExpr``; ``.at(B, S)``
+``cost_expr(model, plan)`` (or ``autopar.cost_expr(plan, model)``) returns a ``CostExpr``; ``.at(B, S)``
 re-evaluates it for new sizes by substitution, with no tracing and no planning. It equals the
 numeric model (``Plan.predicted_step_time``, the largest ``MemoryPlan.peak``) of the same plan
 run at (B, S): the same strategies, stages, microbatch count and recompute regions.
@@ -51,14 +51,16 @@ import torch
 from torch.fx import Node
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autopar.passes.rules import shape
-from autopar.passes.units import zero_units
+from autopar.graph.rules import shape
+from autopar.graph.units import zero_units
 from autopar.placement import local_shape
 
 from .comm import axis_is_inter_node, collective_time
 from .compute import attention_kind, compute_time
 from .devices import DeviceSpec, get_device
-from .memory import VIEW_OPS, stage_terms
+from autopar.graph.views import VIEW_OPS
+
+from .memory import stage_terms
 from .stages import inflight_microbatches, pipeline_time, rank_param_bytes, state_bytes_per_param_byte, unit_costs
 from .step import dp_sync_time, plan_update_time, rank_unit_figures, step_time, zero_unit_figures
 from .strategy import OP_OVERHEAD, comm_bytes, strategy_work, tp_collectives
@@ -106,7 +108,7 @@ def cost_expr(model: torch.nn.Module, plan, layout, example_inputs=None, *, devi
     plan's device, which must then be a preset; pass a profile's path or DeviceSpec otherwise).
     ``gpus_per_node`` as given to ``autopar.plan``."""
     from autopar.mesh import Mesh
-    from autopar.passes.capture import capture_pass
+    from autopar.graph.capture import capture_pass
 
     dev = _device(plan, device)
     mesh = Mesh.of_plan(plan)
@@ -235,7 +237,7 @@ class _SymbolicGraph:
         Dtypes do not depend on sizes, so one propagation, at (b, S), serves every size."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from autopar.passes.precision import retyped
+        from autopar.graph.precision import retyped
 
         self.at(b, S, mode=FakeTensorMode())
         typed = retyped(self.cap, precision)   # a copy: this graph re-sizes its own capture, which takes its dtypes
@@ -263,7 +265,7 @@ def _records(cap, plan, layout, mesh, gpus_per_node: int, dev: DeviceSpec | None
     """The numeric model's per-node and per-stage quantities at the capture's current sizes
     ({key: number}), and what does not depend on the sizes (dtypes, collective kinds, stages;
     with ``dev``, the seconds of the data-parallel gradient sync)."""
-    from autopar.passes.precision import working_copy_ratio
+    from autopar.graph.precision import working_copy_ratio
 
     strategies, units, where = layout(cap, plan)
     working_copy = working_copy_ratio(cap)

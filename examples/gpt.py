@@ -169,3 +169,18 @@ def example_inputs(cfg: GPTConfig, batch: int, seq: int | None = None,
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
     return idx[:, :-1].contiguous().to(device), idx[:, 1:].contiguous().to(device)
+
+
+# The GPT whose bf16 step calibrates Inductor's memory-bound bandwidth (``python -m autopar calibrate``)
+_REFERENCE = GPTConfig(vocab_size=32768, block_size=1024, n_layer=4, n_head=12, n_embd=1536)
+
+
+def reference_step(device: str | torch.device):
+    """(model in bf16, a batch of 8 x 1024 tokens, a description) on ``device`` ("meta" included):
+    the reference step ``autopar.cost_model.calibrate.measure_fused_bandwidth`` times."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(_REFERENCE).to(torch.bfloat16)
+    cfg = _REFERENCE
+    return (model, example_inputs(cfg, 8, cfg.block_size, device=device),
+            f"the example GPT ({cfg.n_layer} x h={cfg.n_embd}, 8 x {cfg.block_size} tokens, vocab {cfg.vocab_size})")

@@ -55,9 +55,9 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from autopar import collectives as C
-from autopar.passes.capture import input_free
-from autopar.passes.driver import copy_graph
-from autopar.passes.rules import Strategy, dim_labels, view_groups
+from autopar.graph.capture import input_free
+from autopar.graph.capture import copy_graph
+from autopar.graph.rules import Strategy, dim_labels, view_groups
 from autopar.passes.token_mean import TOKEN_LOSS_OPS, is_token_sum, token_mean_pass
 from autopar.placement import R
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
-from autopar.passes.driver import copy_graph
+from autopar.graph.capture import copy_graph
 
 
 def device_pass(gm: GraphModule, *, device: torch.device) -> GraphModule:

@@ -9,7 +9,7 @@ It takes the graph first and everything else by keyword, and returns a new Graph
 ``gm`` as it was: captures are shared (the planner prices the same graph the runtime rewrites,
 and a plan's capture is cached across mesh candidates), so a pass that edited its input would make
 every later result depend on the order things ran in. A pass that edits nodes starts from
-``copy_graph(gm)``. Passes still recompile what they return, so a test may call one directly.
+``graph.capture.copy_graph(gm)``. Passes still recompile what they return, so a test may call one directly.
 
 ``run_passes(gm, [(pass_fn, kwargs), ...])`` runs them one after the other. After each it
 
@@ -30,7 +30,6 @@ on the driver's result).
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 import os
@@ -40,25 +39,11 @@ from typing import Any, Callable
 
 import torch
 from torch.fx import GraphModule
-from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils._pytree import tree_map
 
 log = logging.getLogger("autopar.passes")
 
 Step = tuple[Callable[..., GraphModule], dict[str, Any]]
-
-
-def copy_graph(gm: GraphModule, *, lazy: bool = False) -> GraphModule:
-    """A GraphModule on a copy of ``gm``'s graph, for a pass to rewrite.
-
-    Its nodes are new (each with a shallow copy of its ``meta``, so setting a key on one leaves
-    ``gm``'s node alone), its submodules and attributes are ``gm``'s own (a pass adds or replaces
-    them, never edits them in place), and its ``meta`` is a shallow copy of ``gm.meta``. With
-    ``lazy`` its Python code is generated when it is first run or read, not at each recompile: for
-    a graph that is mostly only read (generating a large model's code takes seconds)."""
-    out = (_LazyGraphModule if lazy else GraphModule)(gm, copy.deepcopy(gm.graph))
-    out.meta.update(gm.meta)
-    return out
 
 
 def run_passes(gm: GraphModule, steps: list[Step], *, prefix: str = "",

@@ -33,7 +33,7 @@ from autopar import collectives as C
 from autopar import ops
 from autopar.kernels.cross_entropy import cross_entropy
 from autopar.kernels.fused_linear_ce import vocab_parallel_linear_cross_entropy
-from autopar.passes.driver import copy_graph
+from autopar.graph.capture import copy_graph
 from autopar.placement import padded_size
 
 aten = torch.ops.aten

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from autopar.passes.capture import input_free
+from autopar.graph.capture import input_free
 
 
 @dataclass

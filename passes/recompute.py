@@ -13,7 +13,7 @@ import operator
 from torch.fx import Graph, GraphModule, Node
 from torch.utils.checkpoint import checkpoint
 
-from autopar.passes.driver import copy_graph
+from autopar.graph.capture import copy_graph
 
 
 def run_checkpointed(fn, *args):

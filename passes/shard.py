@@ -11,8 +11,8 @@ from torch.fx.node import map_arg
 
 from autopar import collectives as C
 from autopar import ops
-from autopar.passes.reshard import regather_candidate, reshard_steps
-from autopar.passes.rules import Strategy, is_float, shape
+from autopar.graph.reshard import regather_candidate, reshard_steps
+from autopar.graph.rules import Strategy, is_float, shape
 from autopar.placement import R, Shard, local_shape, padded_size
 
 aten = torch.ops.aten

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from autopar.passes.driver import copy_graph
+from autopar.graph.capture import copy_graph
 
 aten = torch.ops.aten
 

@@ -39,7 +39,7 @@ import torch
 from torch.fx import GraphModule
 
 from autopar.collectives import gather_param, prefetch_gather, sharded_linear
-from autopar.passes.driver import copy_graph
+from autopar.graph.capture import copy_graph
 
 GATHER = "zero_gather"
 

@@ -10,7 +10,7 @@ import pytest
 import autopar
 from autopar.examples.gpt import build, example_inputs
 from autopar.mesh import Mesh
-from autopar.passes.units import find_blocks, layer_units
+from autopar.graph.units import find_blocks, layer_units
 from autopar.planner.decide import rebuild
 from autopar.planner.recompute import regions_for
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autopar.fp8 import E4M3, E5M2, Fp8Linear, fp8_backend, fp8_linear, swap_linears, te_linears, to_fp8
+from autopar.fp8 import E4M3, E5M2, Fp8Linear, fp8_linear, swap_linears, te_linears, to_fp8
+from autopar.passes.fp8 import fp8_backend
 from autopar.examples.demo import make_batch
 from autopar.examples.gpt import GPT, GPTConfig
 from autopar.passes.fp8 import fp8_linear_pass

@@ -78,7 +78,7 @@ def test_each_row_shows_the_choices_and_the_terms_of_its_step():
 
 def test_the_split_is_the_plans_own_step_sum():
     from autopar.mesh import Mesh
-    from autopar.passes.capture import capture_pass
+    from autopar.graph.capture import capture_pass
     from autopar.planner.decide import _decide_offload
     model, inputs = _gpt2()
     for mesh, m in (((4, 2, 2), 4), ((8, 1, 2), 2)):

@@ -37,7 +37,7 @@ def test_every_top_level_folder_yields_to_an_installed_package_of_its_name(tmp_p
 
 
 def test_subpackages_import_from_anywhere(tmp_path):
-    out = _run("import autopar.kernels.adamw, autopar.cost_model.devices, autopar.passes.capture, "
+    out = _run("import autopar.kernels.adamw, autopar.cost_model.devices, autopar.graph.capture, "
                "autopar.examples.gpt; from autopar.examples.train_gpt import DATA_DIR; "
                "assert any(DATA_DIR.iterdir()); print('ok')", tmp_path)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

@@ -156,6 +156,13 @@ def test_offload_moves_the_optimizer_state_to_the_host(plans):
     assert "offload: none -> optimizer" in plans[("fp32", "none")].diff(plans[("fp32", "optimizer")])
 
 
+def test_the_priced_chunk_is_the_runtime_s():
+    from autopar.cost_model import compute
+    from autopar.runtime import offload
+
+    assert compute.OFFLOAD_CHUNK == offload.OFFLOAD_CHUNK
+
+
 def test_offload_update_is_priced_from_the_host_figures(gpt, plans):
     from autopar.cost_model.compute import OFFLOAD_CHUNK as c
 

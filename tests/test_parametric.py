@@ -60,7 +60,7 @@ def test_the_tp_ilp_gives_a_fresh_solve_choice_at_every_byte_price():
     a capture solved afresh at that price gives."""
     from autopar.cost_model.devices import get_device
     from autopar.examples.gpt import build, example_inputs
-    from autopar.passes.capture import capture_pass
+    from autopar.graph.capture import capture_pass
     from autopar.planner.sharding import enumerate_strategies, solve
 
     dev = get_device("h100")

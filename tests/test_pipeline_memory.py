@@ -11,7 +11,7 @@ from autopar.cost_model.stages import unit_costs
 from autopar.examples.gpt import build, example_inputs
 from autopar.planner.recompute import regions_for
 from autopar.mesh import Mesh
-from autopar.passes.units import layer_units
+from autopar.graph.units import layer_units
 from autopar.planner.stage_dp import cut_stages
 
 

@@ -14,14 +14,15 @@ from torch.fx import GraphModule
 import autopar
 from autopar.cost_model.devices import get_device
 from autopar.cost_model import memo
-from autopar.cost_model.memory import VIEW_OPS, _read_nodes, compiled_kept, excess_parts, local_param_bytes
+from autopar.cost_model.memory import _read_nodes, compiled_kept, excess_parts, local_param_bytes
+from autopar.graph.views import VIEW_OPS
 from autopar.cost_model.repeats import block_shift, twin
 from autopar.cost_model.strategy import _strategy_time, strategy_time
 from autopar.examples.gpt import build, example_inputs
-from autopar.passes.capture import capture_pass
-from autopar.passes.precision import retyped
-from autopar.passes.rules import Strategy
-from autopar.passes.units import stage_of_nodes
+from autopar.graph.capture import capture_pass
+from autopar.graph.precision import retyped
+from autopar.graph.rules import Strategy
+from autopar.graph.units import stage_of_nodes
 from autopar.planner.decide import _stage_nodes, decide, rebuild
 from autopar.planner.recompute import regions_for
 from autopar.planner.sharding import enumerate_strategies

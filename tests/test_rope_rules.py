@@ -220,7 +220,7 @@ class _Cumsums(nn.Module):
 
 
 def _capture_cumsums():
-    from autopar.passes.capture import capture_pass
+    from autopar.graph.capture import capture_pass
     torch.manual_seed(0)
     return capture_pass(_Cumsums(), (torch.randn(2, 6, 8),))
 

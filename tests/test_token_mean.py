@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import autopar
 import pool
 from autopar.examples.gpt import GPT, GPTConfig, example_inputs
-from autopar.passes.capture import capture_pass
+from autopar.graph.capture import capture_pass
 from autopar.passes.token_mean import token_count_graph, token_losses, token_mean_pass
 
 CFG = GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_embd=32)

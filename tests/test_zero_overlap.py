@@ -22,7 +22,7 @@ from autopar.cost_model.step import dp_sync_time, unit_sync_times, zero_exposed_
 from autopar.examples.gpt import build, example_inputs
 from autopar.mesh import Mesh
 from autopar.overlap import code_events, collective_gaps
-from autopar.passes.units import zero_units
+from autopar.graph.units import zero_units
 from autopar.planner.decide import decide
 
 
@@ -81,7 +81,7 @@ def test_zero3_prefetch_hides_part_of_the_dp_traffic(planned):
 def test_pipeline_rank_units_are_the_busiest_ranks():
     from autopar.cost_model.stages import rank_param_bytes, state_bytes_per_param_byte, unit_costs
     from autopar.cost_model.step import rank_unit_figures
-    from autopar.passes.units import layer_units, override_bounds
+    from autopar.graph.units import layer_units, override_bounds
 
     model = build("gpt3-1.3b", device="meta", n_layer=4)
     cap, strategies, plan = decide(model, (4, 2, 1), example_inputs(model.config, 16, 2048, device="meta"),
@@ -100,7 +100,7 @@ def test_pipeline_rank_units_are_the_busiest_ranks():
 
 def test_zero_pass_launches_each_gather_where_the_unit_before_starts():
     from autopar import collectives as C
-    from autopar.passes.capture import capture_pass
+    from autopar.graph.capture import capture_pass
     from autopar.passes.zero import zero_pass
     from parity import SEQ, TINY, make_model
 

@@ -31,9 +31,9 @@ from autopar.mesh import Mesh
 from autopar.passes.context_parallel import check_context, ring_refusal
 from autopar.collectives import CP_ATTENTIONS
 from autopar.cost_model.context import attention_priced, context_priced, cp_attention_seconds
-from autopar.passes.capture import Captured, capture_pass, example_args
-from autopar.passes.precision import compute_dtype, retyped, working_copy_ratio
-from autopar.passes.units import find_blocks, layer_units, stage_of_nodes, zero_units
+from autopar.graph.capture import Captured, capture_pass, example_args
+from autopar.graph.precision import compute_dtype, retyped, working_copy_ratio
+from autopar.graph.units import find_blocks, layer_units, stage_of_nodes, zero_units
 from autopar.planner.megatron import megatron_options
 from autopar.planner.mesh_search import rank_meshes, ranking_table
 from autopar.planner.other_shapes import plan_at_shapes

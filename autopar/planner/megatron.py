@@ -41,8 +41,8 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from autopar.passes.capture import Captured, input_free
-from autopar.passes.rules import Strategy
+from autopar.graph.capture import Captured, input_free
+from autopar.graph.rules import Strategy
 from autopar.placement import P, R, Placement, Shard
 
 aten = torch.ops.aten
@@ -142,8 +142,8 @@ def megatron_options(cap: Captured, options: dict, sequence_parallel: bool) -> d
     the loss computed vocab-parallel (the logits are never gathered), and with sequence
     parallelism every activation of the transformer layers outside their tensor-parallel
     regions sharded on sequence (the embeddings' layout is left to the solver)."""
-    from autopar.passes.rules import dim_labels
-    from autopar.passes.units import find_blocks
+    from autopar.graph.rules import dim_labels
+    from autopar.graph.units import find_blocks
     from autopar.planner.sharding import pin_parameters
 
     out = pin_parameters(options, cap, megatron_placements(cap, options))

@@ -38,7 +38,7 @@ import numpy as np
 
 from autopar.mesh import Mesh
 from autopar.passes.context_parallel import ContextParallelError, check_context, check_sequence
-from autopar.passes.units import layer_units
+from autopar.graph.units import layer_units
 from autopar.errors import PlanError
 from autopar.planner.sharding import check_tp, divisors
 

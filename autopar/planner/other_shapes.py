@@ -20,7 +20,7 @@ import difflib
 from torch.fx import Node
 
 from autopar.errors import PlanError, PlanFormatError
-from autopar.passes.capture import Captured
+from autopar.graph.capture import Captured
 from autopar.planner.sharding import _op_name, strategies_from_plan
 
 

@@ -19,9 +19,9 @@ from autopar.cost_model.strategy import strategy_time
 from autopar.planner.ilp import InfeasibleError, solve_strategies
 from autopar.plans import MemoryPlan
 from autopar.errors import PlanError
-from autopar.passes.capture import graph_cached
-from autopar.passes.units import find_blocks
-from autopar.passes.precision import working_copy_ratio
+from autopar.graph.capture import graph_cached
+from autopar.graph.units import find_blocks
+from autopar.graph.precision import working_copy_ratio
 
 MODES = ("none", "selective", "full")
 

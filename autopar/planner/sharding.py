@@ -3,7 +3,7 @@
 For every node the sharding rules list strategies; the cost of a strategy is its
 compute time (divided as the strategy divides the work) plus the collectives inside
 it; the cost of an edge is the collectives that move the producer's placement into
-the one the consumer asks for, forward and backward (``passes.reshard``), paid once
+the one the consumer asks for, forward and backward (``graph.reshard``), paid once
 per producer and form however many consumers want it so (the rewrite moves it once);
 a parameter's strategy also pays the optimizer update and dp gradient sync of its
 local shard. That is the step time ``sharding_fields`` prices. The ILP (``autopar.planner.ilp``)
@@ -35,13 +35,13 @@ from autopar.cost_model.step import (dp_sync_bytes, dp_sync_collectives, dp_sync
                                      zero_unit_figures)
 from autopar.cost_model.strategy import OP_OVERHEAD, move_time, param_memory, strategy_time, tp_collectives
 from autopar.errors import PlanError
-from autopar.passes.units import find_blocks, zero_units
+from autopar.graph.units import find_blocks, zero_units
 from autopar.planner.ilp import evaluate, solve_strategies
 from autopar.planner.parametric import choice_at
-from autopar.passes.capture import Captured, graph_cached
-from autopar.passes.precision import working_copy_ratio
-from autopar.passes.reshard import regather_candidate
-from autopar.passes.rules import RULES, RuleContext, Strategy, dim_labels, is_float, say_once, shape, strategies_for
+from autopar.graph.capture import Captured, graph_cached
+from autopar.graph.precision import working_copy_ratio
+from autopar.graph.reshard import regather_candidate
+from autopar.graph.rules import RULES, RuleContext, Strategy, dim_labels, is_float, say_once, shape, strategies_for
 from autopar.placement import R, Placement, Shard, local_shape
 
 aten = torch.ops.aten

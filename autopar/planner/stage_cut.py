@@ -5,8 +5,8 @@ The cost model prices each layer unit per microbatch under the chosen tensor-par
 """
 from __future__ import annotations
 
-from autopar.passes.capture import Captured
-from autopar.passes.units import Unit, layer_units, override_bounds, stage_of_nodes
+from autopar.graph.capture import Captured
+from autopar.graph.units import Unit, layer_units, override_bounds, stage_of_nodes
 from autopar.planner.sharding import enumerate_strategies, strategies_from_plan
 from autopar.planner.stage_dp import cut_stages, evaluate_cut
 

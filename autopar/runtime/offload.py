@@ -45,8 +45,11 @@ import inspect
 
 import torch
 
-from autopar.cost_model.compute import OFFLOAD_CHUNK
 from autopar.runtime.zero import SliceOptimizer, Zero1, Zero1Optimizer
+
+# Gradient elements a step stages on the host at once (1 GiB of fp32); the cost model prices this
+# chunk (``cost_model.compute.OFFLOAD_CHUNK``, checked equal by tests/test_offload.py).
+OFFLOAD_CHUNK = 2**28
 
 
 class HostMasters:

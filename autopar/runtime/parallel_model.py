@@ -21,11 +21,11 @@ from autopar.passes.driver import rank_prefix, run_passes
 from autopar.passes.precision import precision_pass
 from autopar.passes.recompute import recompute_pass
 from autopar.passes.shard import shard_pass
-from autopar.passes.rules import is_float
+from autopar.graph.rules import is_float
 from autopar.passes.fuse_loss import cross_entropy_kernel_pass
-from autopar.passes.precision import compute_dtype
+from autopar.graph.precision import compute_dtype
 from autopar.passes.device import device_pass
-from autopar.passes.units import stage_of_nodes, zero_units
+from autopar.graph.units import stage_of_nodes, zero_units
 from autopar.passes.token_mean import scale_name, token_count_graph, token_losses, token_mean_pass
 from autopar.passes.zero import gather_name, shard_rows, unit_params, zero_pass
 from autopar.placement import Shard, local_shape, parse_placement, shard_tensor

@@ -42,7 +42,7 @@ import contextlib
 import torch
 
 from autopar import collectives as C
-from autopar.passes.precision import cast, compute_dtype
+from autopar.graph.precision import cast, compute_dtype
 
 
 # ---- the per-rank program -------------------------------------------------------------------

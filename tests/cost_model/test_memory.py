@@ -7,7 +7,7 @@ import torch
 from autopar.planner.decide import decide
 from autopar.cost_model.memory import activation_bytes, attention_core
 from autopar.examples.gpt import build
-from autopar.passes.units import find_blocks
+from autopar.graph.units import find_blocks
 from autopar.planner.sharding import with_regather
 
 

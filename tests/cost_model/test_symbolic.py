@@ -41,7 +41,7 @@ def _at_size(model, plan, batch: int, seq: int, device):
 def test_cost_expr_equals_numeric_model(mesh, attention, device, knobs):
     model = build("tiny", device="meta", n_layer=4, block_size=64, attention=attention)
     plan = autopar.plan(model, mesh, example_inputs(model.config, 8, 16, device="meta"), device=device, **knobs)
-    expr = plan.cost_expr(model, device=device)
+    expr = autopar.cost_expr(plan, model, device=device)
 
     assert expr.traced == (8, 16)
     assert expr.step_time.free_symbols == {expr.B, expr.S}
@@ -77,4 +77,4 @@ def test_cost_expr_needs_the_profile_it_was_priced_on():
     model = build("tiny", device="meta", n_layer=2)
     plan = autopar.plan(model, (1, 1, 1), example_inputs(model.config, 2, 8, device="meta"), device=PROFILE)
     with pytest.raises(ValueError, match="not a preset: pass device="):
-        plan.cost_expr(model)
+        autopar.cost_expr(plan, model)

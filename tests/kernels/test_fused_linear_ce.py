@@ -243,7 +243,7 @@ def test_fuse_loss_pass_on_sharded_graph(vocab_parallel_results):
 
 def test_fuse_loss_pass_on_captured_gpt():
     from autopar.examples.gpt import build, example_inputs
-    from autopar.passes.capture import capture_pass
+    from autopar.graph.capture import capture_pass
 
     torch.manual_seed(0)
     model = build("tiny")
@@ -273,7 +273,7 @@ class _LogitsAlsoReturned(torch.nn.Module):
 
 def test_fuse_loss_pass_leaves_shared_logits_alone():
     """Logits with another user must stay materialised: the graph is unchanged."""
-    from autopar.passes.capture import capture_pass
+    from autopar.graph.capture import capture_pass
 
     x, y = torch.randn(2, 3, 8), torch.randint(0, 11, (2, 3))
     gm = capture_pass(_LogitsAlsoReturned(), (x, y)).gm

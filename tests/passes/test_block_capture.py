@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from autopar.examples.gpt import build, example_inputs
-from autopar.passes.block_capture import _signature, canonical_names, capture_repeated, repeated_layers
-from autopar.passes.capture import _export, capture_pass
+from autopar.graph.block_capture import _signature, canonical_names, capture_repeated, repeated_layers
+from autopar.graph.capture import _export, capture_pass
 
 
 def _inputs(model, batch=2, seq=8):

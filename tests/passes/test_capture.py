@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar
-from autopar.passes.capture import capture_pass
+from autopar.graph.capture import capture_pass
 
 V, B, T, C = 64, 4, 16, 32
 

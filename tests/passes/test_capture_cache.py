@@ -1,4 +1,4 @@
-"""passes.capture_cache: a model of the same structure is traced once; anything that could change the
+"""graph.capture_cache: a model of the same structure is traced once; anything that could change the
 trace (an attribute, a method, a tied weight, an input shape, a hook) is a new trace."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import autopar.passes.capture as capture_module
-from autopar.passes import capture_cache
-from autopar.passes.capture import capture_pass
+import autopar.graph.capture as capture_module
+from autopar.graph import capture_cache
+from autopar.graph.capture import capture_pass
 
 
 class Net(torch.nn.Module):

@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.node import map_arg
 
 from autopar.examples.gpt import GPT, GPTConfig, example_inputs
-from autopar.passes.capture import capture_pass
+from autopar.graph.capture import capture_pass
 from autopar.passes.context_parallel import ContextParallelError, check_context, cp_pass
 from autopar.passes.token_mean import token_mean_pass
 

@@ -8,7 +8,7 @@ import torch
 import autopar
 import pool
 from autopar.examples.gpt import GPT, example_inputs
-from autopar.passes.capture import capture_pass
+from autopar.graph.capture import capture_pass
 from autopar.passes.device import device_pass
 from parity import BATCH, SEQ, TINY, make_model, reference
 

@@ -16,8 +16,10 @@ import torch
 from torch.fx import GraphModule
 
 import autopar
+import autopar.graph
 import autopar.passes
-from autopar.passes.driver import copy_graph, fingerprint, rank_prefix, run_passes
+from autopar.passes.driver import fingerprint, rank_prefix, run_passes
+from autopar.graph.capture import copy_graph
 
 # the two passes whose input or output is not one graph (see the driver's docstring)
 NOT_GRAPH_TO_GRAPH = {"capture_pass", "pipeline_split_pass"}
@@ -153,9 +155,18 @@ def test_fingerprint_sees_structure_and_copies_match():
 # ---- every pass has the one shape ----------------------------------------------------------------
 
 def _passes() -> dict[str, typing.Callable]:
+    """Every ``*_pass`` function: the rewrites of autopar.passes and the analysis views of autopar.graph
+    (``capture_pass``, ``retype_pass``)."""
     found = {}
-    for info in pkgutil.iter_modules(autopar.passes.__path__):
-        module = importlib.import_module(f"autopar.passes.{info.name}")
+    for package in (autopar.passes, autopar.graph):
+        found.update(_passes_of(package))
+    return found
+
+
+def _passes_of(package) -> dict[str, typing.Callable]:
+    found = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
         for name, fn in inspect.getmembers(module, inspect.isfunction):
             if name.endswith("_pass") and fn.__module__ == module.__name__:
                 found[name] = fn
@@ -179,10 +190,11 @@ def test_every_graph_pass_has_the_one_shape():
 
 
 def test_no_pass_lives_outside_passes():
-    """Graph passes are defined in passes/ only (the source folder of autopar.passes)."""
+    """Graph passes are defined in passes/ (the rewrites) and autopar/graph/ (the analysis views) only."""
     root = Path(__file__).resolve().parents[2]
     files = [p for folder in ("autopar", "cost_model", "kernels", "examples") for p in (root / folder).rglob("*.py")
-             if not any(part.is_symlink() for part in p.parents)]   # autopar/passes is a link to passes/
+             if not any(part.is_symlink() for part in p.parents)   # autopar/passes is a link to passes/
+             and root / "autopar" / "graph" not in p.parents]
     outside = [f"{path}: {m.group(1)}" for path in files
                for m in re.finditer(r"^def (\w+_pass)\(", path.read_text(), re.M)]
     assert outside == []
@@ -193,10 +205,11 @@ def test_the_passes_leave_a_capture_as_it_was():
     unchanged, and the capture's fingerprint is the same afterwards."""
     from autopar.examples.gpt import build, example_inputs
     from autopar.planner.recompute import regions_for
-    from autopar.passes.capture import capture_pass
+    from autopar.graph.capture import capture_pass
     from autopar.passes.fp8 import fp8_linear_pass
     from autopar.passes.fuse_loss import cross_entropy_kernel_pass, fuse_loss_pass
-    from autopar.passes.precision import precision_pass, retype_pass
+    from autopar.passes.precision import precision_pass
+    from autopar.graph.precision import retype_pass
     from autopar.passes.recompute import recompute_pass
 
     torch.manual_seed(0)

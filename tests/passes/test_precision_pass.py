@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from autopar.examples.gpt import build, example_inputs
-from autopar.passes.capture import capture_pass
+from autopar.graph.capture import capture_pass
 from autopar.passes.driver import fingerprint
-from autopar.passes.precision import retyped
-from autopar.passes.precision import working_copy_ratio
+from autopar.graph.precision import retyped
+from autopar.graph.precision import working_copy_ratio
 
 
 def _dtypes(cap, op: str) -> set[torch.dtype]:

@@ -51,8 +51,8 @@ from torch.fx.node import map_aggregate, map_arg
 from autopar import collectives as C
 from autopar.examples.gpt import GPT, GPTConfig, example_inputs
 import pool
-from autopar.passes.capture import Captured, capture_pass
-from autopar.passes.rules import RULES, Strategy, is_float
+from autopar.graph.capture import Captured, capture_pass
+from autopar.graph.rules import RULES, Strategy, is_float
 from autopar.passes.shard import shard_pass
 from autopar.placement import Partial, R, Replicate, Shard, local_shape, shard_tensor
 from autopar.planner.sharding import enumerate_strategies

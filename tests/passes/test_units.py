@@ -1,4 +1,4 @@
-"""Pipeline stages laid back on a capture (``passes.units``): each layer's nodes land in the stage
+"""Pipeline stages laid back on a capture (``graph.units``): each layer's nodes land in the stage
 that lists the layer, also where a stage lists a module that contains the layers (a Hugging Face
 ``model`` whose forward has ops of its own: the rotary table, the mask)."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import autopar
-from autopar.passes.capture import capture_pass
-from autopar.passes.units import layer_units, override_bounds, stage_of_nodes
+from autopar.graph.capture import capture_pass
+from autopar.graph.units import layer_units, override_bounds, stage_of_nodes
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from torch.fx import Node
 
 from autopar.errors import PlanError
-from autopar.passes.capture import Captured, graph_cached
-from autopar.passes.rules import shape
+from autopar.graph.capture import Captured, graph_cached
+from autopar.graph.rules import shape
 
 
 def _block_of(path: str) -> tuple[str, int] | None:

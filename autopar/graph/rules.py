@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.fx import Node
 
-from autopar.passes.capture import input_free
+from autopar.graph.capture import input_free
 from autopar.placement import P, R, Placement, Shard
 
 aten = torch.ops.aten

@@ -67,10 +67,10 @@ def can_regather(consumer_target, slot: int, src: Placement, steps) -> bool:
 
 def regather_candidate(node, strategies) -> bool:
     """Whether ``node`` is a linear whose input arrives by a sequence all-gather (Megatron's
-    storage rule may apply to it: see ``passes.reshard.regathers``)."""
+    storage rule may apply to it: see ``graph.reshard.regathers``)."""
     import torch
 
-    from autopar.passes.rules import is_float
+    from autopar.graph.rules import is_float
 
     if node.op != "call_function" or node.target is not torch.ops.aten.linear.default or node.args[0] is node.args[1]:
         return False

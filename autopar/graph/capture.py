@@ -25,6 +25,7 @@ scalar loss: planning refuses anything else here (``require_loss``), before it s
 """
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import re
@@ -100,6 +101,19 @@ class Captured:
         return {fqn: t.to(device) for fqn, t in self.constants.items()}
 
 
+def copy_graph(gm: GraphModule, *, lazy: bool = False) -> GraphModule:
+    """A GraphModule on a copy of ``gm``'s graph, for a pass to rewrite.
+
+    Its nodes are new (each with a shallow copy of its ``meta``, so setting a key on one leaves
+    ``gm``'s node alone), its submodules and attributes are ``gm``'s own (a pass adds or replaces
+    them, never edits them in place), and its ``meta`` is a shallow copy of ``gm.meta``. With
+    ``lazy`` its Python code is generated when it is first run or read, not at each recompile: for
+    a graph that is mostly only read (generating a large model's code takes seconds)."""
+    out = (_LazyGraphModule if lazy else GraphModule)(gm, copy.deepcopy(gm.graph))
+    out.meta.update(gm.meta)
+    return out
+
+
 def _module_path(node: Node) -> str:
     stack = node.meta.get("nn_module_stack")
     if not stack:
@@ -142,13 +156,13 @@ def example_args(model: torch.nn.Module, example_inputs) -> tuple:
 def capture_pass(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None, *,
                  require_loss: bool = False) -> Captured:
     """Export ``model(*example_inputs)`` to an FX graph annotated for planning (a long run of
-    identical layers is traced as 2 and 3 layers and repeated: ``passes.block_capture``).
+    identical layers is traced as 2 and 3 layers and repeated: ``graph.block_capture``).
 
     ``dynamic_shapes`` (torch.export's) keeps sizes symbolic in ``meta["val"]`` and traces the
     whole model; the graph is otherwise the static one (``_fold_sizes``). ``require_loss``: raise
     ValueError, saying what to return, unless the forward returns one scalar (the training loss)."""
-    from autopar.passes.block_capture import canonical_names, capture_repeated
-    from autopar.passes.capture_cache import cached_capture, structure_key
+    from autopar.graph.block_capture import canonical_names, capture_repeated
+    from autopar.graph.capture_cache import cached_capture, structure_key
 
     example_inputs = example_args(model, example_inputs)
     if any(p.is_meta for p in model.parameters()):   # a model built on meta traces with meta inputs

@@ -3,7 +3,7 @@ reuses the first trace instead of running torch.export again.
 
 torch.export costs a second or more per call even for a tiny model, and one process often traces
 the same structure many times: ``parallelize`` on each of several meshes, ``compare`` planning the
-same model three ways, the 2- and 3-layer traces of ``passes.block_capture`` for every depth of one
+same model three ways, the 2- and 3-layer traces of ``graph.block_capture`` for every depth of one
 width. What export traces is fixed by the model's code, its attributes and the metadata of its
 tensors, so the key (``structure_key``) is made of exactly those:
 
