@@ -110,3 +110,10 @@ def pytest_terminal_summary(terminalreporter):
         for seconds, used, world, name, frames in rows[:int(os.environ.get("AUTOPAR_POOL_ROWS", "20"))]:
             compiled = f"  ({frames} frames compiled)" if frames else ""
             terminalreporter.write_line(f"  {seconds:7.1f} ({used:6.1f} CPU)  world {world}  {name}{compiled}")
+
+
+@pytest.fixture(scope="module")
+def ref(request):
+    """The unsharded reference run of a parity test module: its ``REFERENCE()`` (``parity.unsharded``
+    or ``parity.reference`` with the module's model, batch, steps and learning rate), run once."""
+    return request.module.REFERENCE()

@@ -21,15 +21,21 @@ def make_model(cfg: GPTConfig = TINY, seed: int = 0) -> GPT:
     return GPT(cfg)
 
 
-def reference(cfg: GPTConfig = TINY, steps: int = 0, lr: float = 1e-3, batch: int = BATCH):
-    """Loss, gradients and (with steps) the loss curve of the unsharded model."""
-    model = make_model(cfg)
-    idx, tgt = example_inputs(cfg, batch, SEQ)
-    loss = model(idx, tgt)
+def unsharded(build, inputs: tuple, *, steps: int = 0, lr: float = 1e-3):
+    """The unsharded reference run every parity test compares with: the loss and every gradient
+    (tied weights under each of their names) of ``build()`` on ``inputs``, and with ``steps`` the
+    losses of that many ``torch.optim.AdamW`` steps of a fresh ``build()`` on the same batch."""
+    model = build()
+    loss = model(*inputs)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    curve = train_curve(make_model(cfg), idx, tgt, steps, lr) if steps else []
+    curve = train_curve(build(), *inputs, steps, lr) if steps else []
     return loss.item(), grads, curve
+
+
+def reference(cfg: GPTConfig = TINY, steps: int = 0, lr: float = 1e-3, batch: int = BATCH):
+    """``unsharded`` for the example GPT of ``cfg`` on ``batch`` sequences of ``SEQ`` tokens."""
+    return unsharded(lambda: make_model(cfg), example_inputs(cfg, batch, SEQ), steps=steps, lr=lr)
 
 
 def parallel_run(rank, world, mesh, knobs, cfg=TINY, steps=0, lr=1e-3, batch=BATCH):

@@ -14,6 +14,7 @@ import torch
 
 import autopar
 import pool
+from parity import unsharded
 from autopar.examples.gpt import GPT, GPTConfig, example_inputs
 
 CFG = GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_embd=32)
@@ -61,10 +62,7 @@ JOB = pool.job(2, _all, [(m, k) for _, m, k in CASES], timeout=600)
 
 
 def _reference(b, s):
-    model = build()
-    loss = model(*inputs(b, s))
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return unsharded(build, inputs(b, s))[:2]
 
 
 @pytest.mark.parametrize("k", range(len(CASES)), ids=[c[0] for c in CASES])

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.examples.gpt import GPT, Block
 import pool
+from parity import unsharded
 from parity import BATCH, SEQ, TINY, example_inputs
 
 transformers = pytest.importorskip("transformers")
@@ -86,10 +87,7 @@ def _batch(name):
 
 
 def _reference(name):
-    model = BUILD[name]()
-    loss = model(*_batch(name))
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return unsharded(BUILD[name], _batch(name))[:2]
 
 
 # the automatic plan prices on an h100 with a tight memory budget, so it shards what it can

@@ -5,14 +5,14 @@ their backward), and bf16 (fp32 master weights; loss and curve within 1e-2 of fp
 gradient within 2% of its fp32 norm)."""
 from __future__ import annotations
 
+import functools
 import pytest
 import torch
 
 import autopar
 import pool
 from autopar import collectives as C
-from autopar.compare import train_curve
-from parity import adamw_for, pm_curve
+from parity import adamw_for, pm_curve, unsharded
 from test_context_parallel import LR, STEPS, batch, build
 
 # (name, knobs, tolerance): fp32 cases to the design's 1e-5 / 1e-4, bf16 to 1e-2
@@ -40,14 +40,8 @@ def _all(rank, world):
 JOB = pool.job(2, _all, timeout=600, lane=pool.compiled(2))
 
 
-@pytest.fixture(scope="module")
-def ref():
-    model = build("gpt-ignore")
-    inputs = batch("gpt-ignore")
-    loss = model(*inputs)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    return loss.item(), grads, train_curve(build("gpt-ignore"), *inputs, STEPS, LR)
+REFERENCE = functools.partial(unsharded, functools.partial(build, "gpt-ignore"), batch("gpt-ignore"), steps=STEPS,
+                              lr=LR)
 
 
 @pytest.mark.parametrize("k", range(len(CASES)), ids=[c[0] for c in CASES])

@@ -9,6 +9,7 @@ cp, or ``ring_attention``, cp-1 block transfers), as the plan counts them; a che
 cp, and the errors for a sequence 2·cp does not divide and for attention cp cannot split."""
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -16,8 +17,8 @@ import torch
 
 import autopar
 import pool
+from parity import unsharded
 from autopar import collectives as C
-from autopar.compare import train_curve
 from autopar.errors import PlanError
 from autopar.examples.gpt import GPT, GPTConfig, example_inputs
 from autopar.mesh import Mesh
@@ -123,12 +124,7 @@ def refs():
     for name in {c[1] for c in CASES}:
         if name == "llama":
             pytest.importorskip("transformers")
-        model = build(name)
-        inputs = batch(name)
-        loss = model(*inputs)
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
-        out[name] = loss.item(), grads, train_curve(build(name), *inputs, STEPS, LR)
+        out[name] = unsharded(functools.partial(build, name), batch(name), steps=STEPS, lr=LR)
     return out
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.cost_model.devices import get_device
 import pool
+from parity import unsharded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,10 +289,7 @@ def _batch():
 
 
 def _reference(repeat: str):
-    model = _model(repeat)
-    loss = model(*_batch())
-    loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+    return unsharded(functools.partial(_model, repeat), _batch())[:2]
 
 
 def _parallel(rank, world):

@@ -8,6 +8,7 @@ All cases of one world size share one spawn, the session's pool (process start-u
 """
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -18,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 import autopar  # noqa: E402
 from autopar.hf import causal_lm_loss  # noqa: E402
 import pool  # noqa: E402
+from parity import unsharded
 
 VOCAB, BATCH, SEQ = 96, 4, 12
 
@@ -46,10 +48,7 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference(name: str):
-    model = build(name)
-    loss = model(*batch())
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return unsharded(functools.partial(build, name), batch())[:2]
 
 
 CASES = {

@@ -9,6 +9,7 @@ on the replicate group) are the plan's; a checkpoint moves between the HSDP mesh
 Offline (meta device): mesh parsing, the plan's record of the split, and its pricing on 2 nodes of 8."""
 from __future__ import annotations
 
+import functools
 import dataclasses
 import json
 from collections import Counter
@@ -94,9 +95,7 @@ def _all(rank, world):
 JOB = pool.job(4, _all, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def ref():
-    return reference(TINY, steps=STEPS, lr=LR, batch=BATCH)
+REFERENCE = functools.partial(reference, TINY, steps=STEPS, lr=LR, batch=BATCH)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"zero{c[0]}-{c[1]}")

@@ -4,6 +4,7 @@ torch optimizer over ``pm.parameters()`` and with ``pm.optimizer``. The memory b
 planner keep one of the two blocks gathered, so the rank's graph reshards one block and not the other."""
 from __future__ import annotations
 
+import functools
 import dataclasses
 
 import pytest
@@ -50,9 +51,7 @@ def _run(rank, world):
 JOB = pool.job(2, _run, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def ref():
-    return reference(TINY, steps=STEPS, lr=LR, batch=BATCH)
+REFERENCE = functools.partial(reference, TINY, steps=STEPS, lr=LR, batch=BATCH)
 
 
 @pytest.mark.parametrize("optimizer", CASES)

@@ -4,6 +4,7 @@ and the planner's pricing of it on the meta device: the device memory it frees, 
 from the profile's host figures, offload="auto", and bad input."""
 from __future__ import annotations
 
+import functools
 import dataclasses
 from pathlib import Path
 
@@ -46,9 +47,7 @@ def _one(rank, world, mesh, zero, precision):
 BY_WORLD, JOBS = pool.per_world(_one, CASES, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def ref():
-    return reference(TINY, steps=STEPS, lr=LR, batch=BATCH)
+REFERENCE = functools.partial(reference, TINY, steps=STEPS, lr=LR, batch=BATCH)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-zero{c[1]}-{c[2]}")

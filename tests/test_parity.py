@@ -3,6 +3,7 @@
 All configurations of one world size share one spawn, the session's pool (process start-up dominates)."""
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -31,9 +32,7 @@ def _rank_all(rank, world, cases):
     return [parallel_run(rank, world, mesh, dict(knobs, compile=False), steps=STEPS) for mesh, knobs in cases]
 
 
-@pytest.fixture(scope="module")
-def ref():
-    return reference(steps=STEPS)
+REFERENCE = functools.partial(reference, steps=STEPS)
 
 
 JOBS = {w: pool.job(w, _rank_all, cases) for w, cases in CASES.items()}

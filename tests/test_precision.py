@@ -2,6 +2,7 @@
 reductions in the compiled per-rank graph, fp16 loss scaling, and the plan's precision field."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections import defaultdict
@@ -142,9 +143,7 @@ def _rank_all(rank, world):
     return out
 
 
-@pytest.fixture(scope="module")
-def ref():
-    return reference(steps=STEPS)
+REFERENCE = functools.partial(reference, steps=STEPS)
 
 
 JOBS = {w: pool.job(w, _rank_all, timeout=900, lane=pool.compiled(w)) for w in RUNS}

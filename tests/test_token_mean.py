@@ -10,12 +10,14 @@ the gradients; a batch of other shapes is lowered again with the plan's choices.
 """
 from __future__ import annotations
 
+import functools
 import pytest
 import torch
 import torch.nn.functional as F
 
 import autopar
 import pool
+from parity import unsharded
 from autopar.examples.gpt import GPT, GPTConfig, example_inputs
 from autopar.graph.capture import capture_pass
 from autopar.passes.token_mean import token_count_graph, token_losses, token_mean_pass
@@ -119,21 +121,7 @@ JOBS = {w: pool.job(w, _all, [c for c in CASES if _world(c[1]) == w], timeout=60
 
 
 def _reference(kind, padding):
-    model = build(kind)
-    inputs = batch(padding)
-    loss = model(*inputs)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    model = build(kind)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    curve = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        step = model(*inputs)
-        step.backward()
-        curve.append(step.item())
-        opt.step()
-    return loss.item(), grads, curve
+    return unsharded(functools.partial(build, kind), batch(padding), steps=STEPS, lr=LR)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

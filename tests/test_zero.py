@@ -4,6 +4,7 @@ each rank holds 1/dp of every parameter's rows, and the rank's graph gathers the
 (ZeRO-3 again in backward)."""
 from __future__ import annotations
 
+import functools
 import pytest
 import torch
 
@@ -42,9 +43,7 @@ def _one(rank, world, mesh, zero, optimizer, knobs):
 BY_WORLD, JOBS = pool.per_world(_one, CASES, timeout=900)
 
 
-@pytest.fixture(scope="module")
-def ref():
-    return reference(TINY, steps=STEPS, lr=LR, batch=BATCH)
+REFERENCE = functools.partial(reference, TINY, steps=STEPS, lr=LR, batch=BATCH)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-zero{c[1]}-{c[2]}{'-' + '-'.join(c[3].values()) if c[3] else ''}")
