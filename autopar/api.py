@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.cost_model.devices import preset_for_gpu
-from autopar.mesh import Mesh, default_device_type, device_mesh
+from autopar.mesh import Mesh, default_device_type
 from autopar.planner.decide import check_knobs, decide, rebuild, rebuild_at_shapes
 from autopar.plans import Plan
 
@@ -99,7 +99,9 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
     kernel (``autopar.kernels.cross_entropy``); "auto" does where it pays, when compiling with
     Inductor on CUDA with Triton; True always (its torch reference off CUDA); False never."""
     from autopar.launch import init_distributed
+    from autopar.runtime.groups import process_groups
     from autopar.runtime.parallel_model import ParallelModel
+    from autopar.runtime.program import program_for
 
     if loss_kernel not in (True, False, "auto"):
         raise ValueError(f"loss_kernel={loss_kernel!r}: expected True, False or 'auto'")
@@ -139,8 +141,9 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             cap, strategies = rebuild(model, the_plan, example_inputs, sequence_parallel=sequence_parallel)
-    mesh_ = Mesh.of_plan(the_plan)
-    dmesh = device_mesh(mesh_, default_device_type())
+    groups = process_groups(Mesh.of_plan(the_plan), the_plan.zero, default_device_type())
+    program = program_for(the_plan, dist.get_rank(), cap, strategies, groups=groups, compile=compile,
+                          loss_kernel=loss_kernel)
     twin = _meta_twin(model)
 
     def recapture(example):   # a batch of other shapes: the plan's choices on a capture of those shapes
@@ -148,8 +151,7 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
             warnings.simplefilter("ignore")
             return rebuild_at_shapes(twin, the_plan, example, sequence_parallel=sequence_parallel)
 
-    return ParallelModel(model, cap, strategies, the_plan, mesh_, dmesh, compile=compile, loss_kernel=loss_kernel,
-                         recapture=None if twin is None else recapture)
+    return ParallelModel(model, program, cap, recapture=None if twin is None else recapture)
 
 
 def _meta_twin(model):

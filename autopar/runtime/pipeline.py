@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from autopar import collectives as C
-from autopar.mesh import group_name
 from autopar.passes.pipeline_split import pipeline_split_pass
 
 
@@ -50,12 +49,14 @@ def make_schedule(name: str, stages: list, microbatches: int, loss_fn):
 class Pipeline:
     """This rank's stages, their schedule, and the cross-stage gradient sums."""
 
-    def __init__(self, gm, stage_of: dict[str, int], plan, dmesh, *, rank: int, materialize, buffers: dict, device,
-                 prepare, loss_scale, wrap):
-        """``stage_of``: each global node name's stage; ``rank``: this rank's pp coordinate; ``materialize(fqns)`` makes its parameter shards;
-        ``buffers``: every buffer by FQN; ``prepare(fqn, tensor)``: what the graphs compute with (the
-        step's working copy); ``loss_scale()``: what the loss is multiplied by before backward;
-        ``wrap(graph)``: the graph as it runs (compiled or eager)."""
+    def __init__(self, gm, stage_of: dict[str, int], plan, *, rank: int, params: dict, buffers: dict, device, prepare,
+                 loss_scale, wrap, group: str, process_group):
+        """``stage_of``: each global node name's stage; ``rank``: this rank's pp coordinate; ``params``:
+        this rank's parameter shards, exactly those its stages use (else RuntimeError: the program
+        that made them disagrees with the split); ``buffers``: every buffer by FQN; ``prepare(fqn,
+        tensor)``: what the graphs compute with (the step's working copy); ``loss_scale()``: what
+        the loss is multiplied by before backward; ``wrap(graph)``: the graph as it runs (compiled
+        or eager); ``group``, ``process_group``: the pp group's name and the group itself."""
         from torch.distributed.pipelining import PipelineStage
 
         self.plan, self.device, self.loss_scale = plan, device, loss_scale
@@ -71,15 +72,17 @@ class Pipeline:
         for s in range(n):
             for f in self.sg.stage_params[s] + (self.sg.tail_params if s == n - 1 else []):
                 holders.setdefault(f, set()).add(s % pp)
+        self.holders = {f: tuple(sorted(r)) for f, r in holders.items() if f not in buffers}
         self.shared = [p.fqn for p in plan.parameters if len(holders.get(p.fqn, ())) > 1]
-        self.owner = {f: min(r) for f, r in holders.items()}
         needed = {f for f, r in holders.items() if rank in r}
-        params = materialize(needed)
+        if needed - set(buffers) != set(params):
+            raise RuntimeError(f"autopar's program for pipeline rank {rank} holds the parameters "
+                               f"{sorted(params)}, but its stages use {sorted(needed - set(buffers))}: a bug in "
+                               "autopar (runtime.program._holders and passes.pipeline_split disagree)")
         tensors = {**params, **{f: b for f, b in buffers.items() if f in needed}}
-        self.pp_group = group_name(dmesh, "pp")
-        pg = dmesh.get_group("pp")
+        self.pp_group = group
         self.stages = [PipelineStage(StageModule(wrap(self.sg.stages[s]), self.sg.stage_params[s], tensors, prepare),
-                                     s, n, device, group=pg) for s in self.mine]
+                                     s, n, device, group=process_group) for s in self.mine]
         tail = wrap(self.sg.tail)
         tail_w = {f: tensors[f] for f in self.sg.tail_params} if self.last else {}
 

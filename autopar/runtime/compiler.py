@@ -1,0 +1,78 @@
+"""How a rank's graphs are compiled: the ``compile`` argument of ``parallelize``, read in one place."""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.fx._lazy_graph_module import _LazyGraphModule
+
+from autopar.kernels.fused_linear_ce import triton_available
+from autopar.mesh import default_device_type
+from autopar.overlap import RegatherInBackward
+
+# torch.compile modes (Inductor) that replay CUDA graphs
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+MODES = ("default", "max-autotune-no-cudagraphs", *CUDA_GRAPH_MODES)
+
+
+def lower(gm: torch.fx.GraphModule, compile, *, regather: bool = False, order=None):
+    """``gm`` as a rank runs it: ``compile`` True lowers through Inductor, one of ``MODES`` through
+    Inductor in that torch.compile mode, another string or a callable names a torch.compile
+    backend (e.g. "aot_eager"), False runs it eagerly. ``regather`` (ZeRO-3): Inductor re-gathers
+    the weights in the backward instead of saving the forward's gathered copies
+    (``autopar.overlap.RegatherInBackward``; AOTAutograd would otherwise merge the two gathers).
+    ``order`` (a ``compile_once.CompileOrder``): Inductor's compiles wait for the peer that
+    compiles them first."""
+    if not compile:
+        return gm
+    if isinstance(gm, _LazyGraphModule):
+        # dynamo would trace the wrapper that generates the code (frames of its own), not the graph's code
+        gm.real_recompile()
+    options = {"joint_custom_pre_pass": RegatherInBackward()} if compile is True and regather else None
+    if order is not None and uses_inductor(compile):
+        named = compile is True or compile == "inductor" or compile in MODES
+        backend = (torch._TorchCompileInductorWrapper(compile if compile in MODES else None, options, None)
+                   if named else compile)
+        return torch.compile(gm, backend=order.wrap(backend))
+    if options:
+        return torch.compile(gm, options=options)
+    if compile is True or compile in MODES:
+        return torch.compile(gm, mode=None if compile is True else compile)
+    return torch.compile(gm, backend=compile)
+
+
+def uses_inductor(compile) -> bool:
+    """Whether ``compile`` lowers through Inductor: True, a mode, "inductor", or a partial of
+    Inductor's ``compile_fx`` (``autopar.overlap.overlap_backend``)."""
+    if compile is True or compile in MODES or compile == "inductor":
+        return True
+    if not isinstance(compile, functools.partial):   # no import of Inductor (seconds) to answer False
+        return False
+    from torch._inductor.compile_fx import compile_fx
+    return compile.func is compile_fx
+
+
+def replays_cuda_graphs(compile) -> bool:
+    """Whether ``compile`` is an Inductor mode that replays CUDA graphs (weights and buffers must
+    then stay at the addresses the graphs recorded)."""
+    return isinstance(compile, str) and compile in CUDA_GRAPH_MODES
+
+
+def prefetches(compile, backend: str) -> bool:
+    """Whether ZeRO-2/3's gathers are launched a unit ahead (``zero_pass(prefetch=)``) on process
+    groups of ``backend``: always on NCCL; on gloo only in Inductor's code (``compile=True``, a
+    mode, or a backend function such as ``autopar.overlap.overlap_backend``'s). A gather left in
+    flight on gloo while the graph ran on eagerly (no compile, or the "aot_eager" backend)
+    corrupted the heap there: tests/test_zero.py crashed in 3 runs of 3 with "malloc(): unaligned
+    tcache chunk detected" (torch 2.13, CPU), and passed in 2 of 2 with every gather waited at its
+    launch. Inductor's code, whose buffers and waits it places itself, ran its prefetched gathers
+    on gloo in tests/test_zero_overlap.py and test_zero_memory.py without fault."""
+    if "gloo" not in backend:
+        return True
+    return compile is True or compile in MODES or callable(compile)
+
+
+def inductor_on_cuda(compile) -> bool:
+    """Whether ``compile`` lowers through Inductor onto CUDA with Triton (where autopar's kernels pay)."""
+    return ((compile is True or compile in MODES) and default_device_type() == "cuda"
+            and triton_available())
