@@ -14,7 +14,7 @@ from pathlib import Path
 
 from autopar.collectives import CP_ATTENTIONS
 from autopar.cost_model.stages import INTERLEAVED, SCHEDULES
-from autopar.cost_model.step import step_time
+from autopar.cost_model.terms import MemoryPlan, StepTerms, step_time
 from autopar.errors import PlanFormatError
 from autopar.mesh import AXIS_ORDER, Mesh
 
@@ -88,20 +88,6 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
-class MemoryPlan:
-    """Predicted bytes on one rank of one pipeline stage (for pp = 1, the one stage)."""
-
-    stage: int
-    params: float            # fp32 weights and, at 16 bits, their working copy
-    grads: float             # gradients held through a forward: with several microbatches (they accumulate)
-    optimizer: float
-    activations: float       # kept for backward, times the microbatches in flight there
-    peak: float              # params + grads + optimizer + activations + transient
-    transient: float = 0.0   # what the backward adds at its highest above the forward's end (arriving gradients included)
-    host: float = 0.0        # host memory: with optimizer offload the fp32 master and Adam's moments (not in peak)
-
-
-@dataclass(frozen=True)
 class Plan:
     """A complete parallelization decision for one model, mesh and input shape."""
 
@@ -115,8 +101,8 @@ class Plan:
     nodes: tuple[NodePlan, ...]
     collectives: tuple[CollectivePlan, ...]
     predicted_compute_s: float      # with pp > 1: the pipeline step (tp communication and bubble included)
-    predicted_comm_s: float         # communication not inside that: tp collectives (pp = 1), dp sync
-    predicted_update_s: float = 0.0   # the optimizer update and 16-bit weight casts of the busiest rank
+    predicted_comm_s: float         # communication not inside that: tp collectives (pp = 1), cp, dp sync
+    predicted_update_s: float = 0.0   # the optimizer update and 16-bit weight casts of the busiest rank (host's too)
     solve_seconds: float = 0.0
     model_flops: float = 0.0        # forward + backward FLOPs of one step, all ranks together
     peak_flops: float = 0.0         # one device's peak at the model's dtype
@@ -137,6 +123,7 @@ class Plan:
     dp_replicate: int = 1           # HSDP: dp = dp_replicate x dp_shard; ZeRO shards over dp_shard, all-reduces across replicas
     cp: int = 1                     # context parallelism: each sequence split over cp ranks (2·cp chunks); 1 in older files
     cp_attention: str = "allgather"   # how attention runs over cp: "allgather" (K, V gathered) or "ring" (blocks passed on)
+    step_terms: StepTerms | None = None   # the step term by term (the predicted figures add them); None in older files
 
     @property
     def dp_shard(self) -> int:
@@ -166,7 +153,7 @@ class Plan:
     @property
     def predicted_step_time(self) -> float:
         """Seconds per training step: compute, (unoverlapped) communication and the weight update
-        (``cost_model.step.step_time``)."""
+        (``cost_model.terms.step_time``)."""
         return step_time(self.predicted_compute_s, [self.predicted_comm_s], self.predicted_update_s)
 
     @property
@@ -320,9 +307,13 @@ class Plan:
         lines += ["", f"Predicted step time {self.predicted_step_time * 1e3:.3f} ms "
                       f"(compute {self.predicted_compute_s * 1e3:.3f} ms, "
                       f"communication {self.predicted_comm_s * 1e3:.3f} ms, "
-                      f"update {self.predicted_update_s * 1e3:.3f} ms); solved in {self.solve_seconds:.2f} s",
-                  f"Model FLOPs per step {self.model_flops:.3e}; predicted MFU {self.predicted_mfu:.1%} "
-                  f"of {_significant(self.peak_flops / 1e12)} TFLOP/s per device"]
+                      f"update {self.predicted_update_s * 1e3:.3f} ms); solved in {self.solve_seconds:.2f} s"]
+        if self.step_terms is not None:
+            terms = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in self.step_terms.as_dict().items())
+            lines.append(f"  terms (ms): {terms}"
+                         + (" (tp, pp and bubble inside the pipeline's compute)" if self.step_terms.pipelined else ""))
+        lines.append(f"Model FLOPs per step {self.model_flops:.3e}; predicted MFU {self.predicted_mfu:.1%} "
+                     f"of {_significant(self.peak_flops / 1e12)} TFLOP/s per device")
         lines += [f"Note: {n}" for n in self.notes]
         lines += [f"Warning: {w}" for w in self.warnings]
         return "\n".join(lines)
@@ -656,6 +647,10 @@ def _convert(tp: str, value, name: str):
         if not isinstance(value, checks[tp]) or (tp != "bool" and isinstance(value, bool)):
             raise PlanFormatError(f"{name}: expected {tp}, got {value!r}")
         return float(value) if tp == "float" else value
+    if tp == "StepTerms|None":
+        if value is not None and not isinstance(value, dict):
+            raise PlanFormatError(f"{name}: expected an object or null, got {value!r}")
+        return None if value is None else _build(StepTerms, value, name)
     if tp == "str|None":
         if value is not None and not isinstance(value, str):
             raise PlanFormatError(f"{name}: expected a string or null, got {value!r}")

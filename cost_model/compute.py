@@ -268,12 +268,12 @@ def update_time(param_bytes: float, dev: DeviceSpec, *, working_copy: bool, opti
     under ZeRO-1), at ``optimizer_bandwidth``, and with ``working_copy`` the casts to and from a
     16-bit copy, at ``op_bandwidth`` (they run inside the compiled graph).
 
-    With ``offload`` the update runs on the host (``offload_update_time``): the casts stay (on the
-    device: a 16-bit gradient up to fp32 for the copy out, the fp32 weight down to the 16-bit
-    parameter after the copy in), the device's AdamW does not."""
+    With ``offload`` the update runs on the host (``offload_update_time``, priced apart): the casts
+    stay (on the device: a 16-bit gradient up to fp32 for the copy out, the fp32 weight down to
+    the 16-bit parameter after the copy in), the device's AdamW does not."""
     casts = WORKING_COPY_TRAFFIC * param_bytes / dev.op_bandwidth if working_copy else 0.0
     if offload:
-        return offload_update_time(param_bytes / 4 / optimizer_shards, dev) + casts
+        return casts
     optimizer = ADAMW_TRAFFIC * param_bytes / optimizer_shards / (dev.optimizer_bandwidth or dev.mem_bandwidth)
     return optimizer + casts
 

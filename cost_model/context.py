@@ -31,12 +31,12 @@ does 1/cp of the causal work, the balanced chunks spread it evenly over the cp s
   2·(B + G), added to the backward's transient.
 "auto" (the planner's) takes the variant of lower exposed seconds (``cp_attention_seconds``).
 
-Prices (``context_priced``): the planner prices the captured, whole sequence; on cp ranks every op
-does 1/cp of that work, exactly so with either attention (its scores are the rank's query rows
-against every key), so compute, the tp collectives (tokens / cp) and the activations are divided
-by cp. Added: the cp collectives above, and with "allgather" the gathered keys and values each
-attention keeps for its backward, spread evenly over the pipeline stages. Choices made on the
-whole-sequence prices (recompute="auto", the stage cut) are not re-made at the local length.
+Prices: the planner prices the captured, whole sequence; on cp ranks every op does 1/cp of that
+work, exactly so with either attention (its scores are the rank's query rows against every key),
+so compute, the tp collectives (tokens / cp), the activations and the backward's transient are
+divided by cp (``cost_model.step.price_step``, ``cost_model.memory.memory``). Added: the step's cp
+term, the collectives above (``cp_seconds``), and what each attention keeps or holds beyond its
+1/cp (``context_memory``).
 
 What a rank keeps for the backward with "allgather" (measured in tests/test_context_memory.py,
 every tensor autograd saves in the rewritten graph's forward, each storage once):
@@ -53,18 +53,17 @@ every tensor autograd saves in the rewritten graph's forward, each storage once)
 - left out, well under 0.1% at the test's shapes: the token ids, targets and positions cut to
   the rank's chunks.
 
-``attention_priced`` prices the gathered keys and values and the mask per stage, for the
-microbatches it holds in flight: an attention inside a recompute region keeps neither (its
+``context_memory`` prices the gathered keys and values and the mask per stage, for each
+microbatch it holds in flight: an attention inside a recompute region keeps neither (its
 region's checkpoint keeps only its inputs); its backward gathers the keys and values again and
 remakes the mask, one attention's at a time (a transient), and that second all-gather is added
-to the cp term.
+to the cp term (``cp_seconds``).
 
 With "ring" only the first item is kept (the ring gathers nothing and builds no mask for causal
-attention), and ``attention_priced`` does not apply.
+attention); its blocks in flight are the backward's transient.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -160,47 +159,25 @@ def ring_in_flight(cap, strategies: dict[Node, object], cp: int, tp: int) -> flo
                default=0.0)
 
 
-# the step's terms that scale with the rank's tokens (the rest: dp sync, update)
-_PER_TOKEN = ("dp", "update")
-
-
-def context_priced(fields: dict, cp: int, tp: int, dev, gpus_per_node: int, *, cap, strategies) -> dict:
-    """A plan's ``fields`` priced on whole sequences (``planner.sharding.sharding_fields`` and the
-    memory and stage fields, ``cap``'s graph under ``strategies``) re-priced for ``cp`` ranks per
-    sequence with ``fields["cp_attention"]`` (see the module docstring): the per-token terms and
-    activations divided by cp, the cp collectives' exposed seconds added to ``predicted_comm_s``
-    (and to the step terms as "cp"); with "allgather" the gathered keys and values (whole
-    sequence: the rank's own are kept apart, as at cp=1) added to the activations, with "ring" its
-    blocks in flight to the backward's transient. The all-gather's keys and values are spread evenly
-    over the stages (``attention_priced`` re-prices them per stage and recompute region)."""
+def cp_seconds(cap, strategies: dict[Node, object], cp: int, tp: int, dev, gpus_per_node: int, microbatches: int,
+               attention: str, collectives, recomputed=frozenset()) -> float:
+    """The step's cp term: exposed seconds of the cp collectives of ``microbatches`` forward and
+    backward passes with ``attention`` (``cp_attention_seconds``), the others the plan records on
+    cp (``collectives``: the loss's token count and the gradient sync, per ``cp_collectives``),
+    and with "allgather" each recomputed attention's second all-gather of its keys and values in
+    its backward (``recomputed``: the names of the recomputed nodes; module docstring)."""
     if cp == 1:
-        return fields
-    ring = fields["cp_attention"] == "ring"
+        return 0.0
     inter = axis_is_inter_node(cp, tp, gpus_per_node)
-    cp_seconds = fields["microbatches"] * cp_attention_seconds(cap, strategies, cp, tp, dev, gpus_per_node,
-                                                               fields["cp_attention"])
-    gathered = 0.0
-    for c in fields["collectives"]:
-        if c.axis != "cp":
-            continue
-        if c.kind not in _ATTENTION_KINDS:
-            cp_seconds += c.count * collective_time(c.kind, c.bytes / c.count, cp, dev, inter)
-        elif (c.kind, c.phase) == ("all_gather", "fwd"):
-            gathered += c.bytes / fields["microbatches"]   # one microbatch's, all s tokens, kept to its backward
-    in_flight = ring_in_flight(cap, strategies, cp, tp) if ring else 0.0
-    terms = dict(fields["step_terms"])
-    scaled = {k: (v if k in _PER_TOKEN else v / cp) for k, v in terms.items()}
-    comm = fields["predicted_comm_s"] - terms.get("tp", 0.0) + scaled.get("tp", 0.0) + cp_seconds
-    stages = max(1, len(fields.get("memory", ())))
-
-    def memory(m):
-        activations = m.activations / cp + gathered / stages
-        transient = m.transient / cp + in_flight
-        return dataclasses.replace(m, activations=activations, transient=transient,
-                                   peak=m.peak - m.activations - m.transient + activations + transient)
-
-    return dict(fields, predicted_compute_s=fields["predicted_compute_s"] / cp, predicted_comm_s=comm,
-                step_terms=dict(scaled, cp=cp_seconds), memory=tuple(memory(m) for m in fields.get("memory", ())))
+    seconds = microbatches * cp_attention_seconds(cap, strategies, cp, tp, dev, gpus_per_node, attention)
+    for c in collectives:
+        if c.axis == "cp" and c.kind not in _ATTENTION_KINDS:
+            seconds += c.count * collective_time(c.kind, c.bytes / c.count, cp, dev, inter)
+    if attention == "allgather":
+        for n, _, kv, _ in _attentions(cap, strategies, tp):
+            if n.name in recomputed:   # its backward gathers the keys and the values again
+                seconds += 2 * microbatches * collective_time("all_gather", sum(kv) / 2, cp, dev, inter)
+    return seconds
 
 
 def attention_mask_bytes(node: Node, cp: int) -> float:
@@ -210,41 +187,27 @@ def attention_mask_bytes(node: Node, cp: int) -> float:
     return shape(q)[-2] / cp * shape(k)[-2] * q.meta["val"].element_size()
 
 
-def attention_priced(fields: dict, cp: int, tp: int, dev, gpus_per_node: int, stage_nodes: list[list[Node]],
-                     inflight: list[int]) -> dict:
-    """``fields`` as ``context_priced`` left them, with what each attention keeps at cp priced per stage
-    (module docstring): its gathered keys and values (``context_priced`` spread them evenly over the
-    stages, every attention kept) and its mask rows, kept for each of the ``inflight`` microbatches
-    a stage holds when the attention is outside the recompute regions; for a recomputed attention,
-    both made again in its backward (one attention's at a time, a transient) and its keys and
-    values all-gathered again (the cp term). ``stage_nodes``: each stage's ops, of the
-    whole-sequence graph."""
-    if cp == 1:
-        return fields
-    m = fields["microbatches"]
-    gathers = [c for c in fields["collectives"] if (c.kind, c.axis, c.phase) == ("all_gather", "cp", "fwd")]
-    kv = {}   # one microbatch's gathered keys and values, per attention (by module)
-    for c in gathers:
-        kv[c.where] = kv.get(c.where, 0.0) + c.bytes / m
-    share = sum(kv.values()) / max(1, len(fields["memory"]))   # what context_priced put on each stage
-    inter = axis_is_inter_node(cp, tp, gpus_per_node)
-    recomputed = {name for region in fields["recompute_regions"] for name in region}
-    memory, again_seconds = [], 0.0
-    for mem, nodes, held in zip(fields["memory"], stage_nodes, inflight):
+def context_memory(cap, strategies: dict[Node, object], cp: int, tp: int, attention: str, stage_nodes,
+                   recomputed=frozenset()) -> list[tuple[float, float]]:
+    """Per stage (``stage_nodes``: each stage's ops, of the whole-sequence graph), what cp adds to its
+    memory beyond the rank's 1/cp of the whole sequence's (module docstring): (bytes each
+    microbatch in flight keeps, bytes its backward holds at once). With "allgather", each
+    attention outside the recompute regions (``recomputed``: the names of the recomputed nodes)
+    keeps its gathered keys and values and its mask rows; a recomputed one makes them again in its
+    backward, one attention's at a time. With "ring", two key/value blocks and their gradients in
+    flight in the backward, on every stage."""
+    if attention == "ring":
+        return [(0.0, ring_in_flight(cap, strategies, cp, tp))] * len(stage_nodes)
+    kv = {n: sum(both) for n, _, both, _ in _attentions(cap, strategies, tp)}
+    out = []
+    for nodes in stage_nodes:
         kept, transient = 0.0, 0.0
         for n in nodes:
-            if n.target is not aten.scaled_dot_product_attention.default:
-                continue
-            keys = kv.get(n.meta.get("module_path", ""), 0.0)
-            if n.name in recomputed:
-                transient = max(transient, keys + attention_mask_bytes(n, cp))
-                # its backward gathers the keys and the values again, each at half these bytes
-                again_seconds += 2 * m * collective_time("all_gather", keys / 2, cp, dev, inter)
-            else:
-                kept += held * (keys + attention_mask_bytes(n, cp))
-        activations = mem.activations - share + kept
-        memory.append(dataclasses.replace(mem, activations=activations, transient=mem.transient + transient,
-                                          peak=mem.peak - mem.activations + activations + transient))
-    terms = fields["step_terms"]
-    return dict(fields, memory=tuple(memory), predicted_comm_s=fields["predicted_comm_s"] + again_seconds,
-                step_terms=dict(terms, cp=terms["cp"] + again_seconds))
+            if n in kv:
+                held = kv[n] + attention_mask_bytes(n, cp)
+                if n.name in recomputed:
+                    transient = max(transient, held)
+                else:
+                    kept += held
+        out.append((kept, transient))
+    return out

@@ -1,7 +1,7 @@
 """Runs of repeated blocks priced as the same run further up the graph.
 
 A GPT is L identical blocks, and a pipeline stage in the middle of it is a run of them. What the
-memory model prices for a run (``memory.stage_terms``, ``memory.compiled_kept``) reads only the
+memory model prices for a run (``memory.stage_terms``, ``activations.compiled_kept``) reads only the
 run's nodes, the nodes they read and the strategies of both: a run of n blocks from block a >= 2
 reads what the run of n blocks from block 1 reads, shifted by a - 1 blocks (block a - 1's outputs
 where block 0's are read; a node outside the blocks is the same node for both). Where the blocks

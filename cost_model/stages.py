@@ -1,6 +1,6 @@
-"""Prices of pipeline stages: each layer unit's time, static and activation bytes per microbatch,
-the point-to-point cost of a cut, the microbatches a schedule keeps in flight per stage, and the
-pipeline's makespan over a step (bubble included).
+"""Prices of pipeline stages: each layer unit's time per microbatch, the point-to-point cost of a
+cut, the microbatches a schedule keeps in flight per stage, and the pipeline's makespan over a step
+(bubble included).
 
 The formulas are written out in ``autopar.planner.stage_dp``'s module docstring, which searches over
 them: with stage times T_s on p ranks, v stages per rank and m microbatches,
@@ -15,11 +15,11 @@ import math
 import numpy as np
 
 from autopar.graph.rules import is_float
-from autopar.placement import Shard, local_shape
+from autopar.placement import Shard
 
 from .comm import axis_is_inter_node, collective_time
 from .memo import cached, strategies_of
-from .memory import kept_bytes
+from .state import state_bytes_per_param_byte
 from .strategy import OP_OVERHEAD, strategy_time, tensor_bytes, tp_collectives
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
@@ -83,97 +83,27 @@ def pipeline_split(parts, p: int, m: int, v: int, makespan: float) -> dict:
     return out
 
 
-def state_bytes_per_param_byte(mesh, zero: int, working_copy: float = 0.0, offload: bool = False) -> float:
-    """Parameter + gradient + Adam's two moments (the moments sharded over dp from ZeRO-1 on, the
-    weights and gradients too from ZeRO-2 on; over dp_shard when dp is split, each replica holding
-    the same shards), plus a 16-bit working copy's share
-    (``autopar.passes.precision.working_copy_ratio``); ZeRO-2 and 3's gathered weights are the
-    stage's, not a unit's (``memory.param_state``). ``offload``: the device keeps the weights and
-    gradients alone, as ``param_state(offload=True)`` does."""
-    shards = mesh.dp_shard
-    if offload:
-        return 2.0 / shards if zero >= 2 and shards > 1 else 2.0 * (working_copy or 1.0)
-    if zero >= 2 and shards > 1:
-        return 4.0 / shards
-    if zero == 1:   # the moments and the flat copy of the slice they step (``memory.param_state``)
-        return 2.0 + working_copy + 3.0 / shards
-    return 4.0 + working_copy
-
-
-def state_floor(param_bytes: float, mesh, zero: int, working_copy: float, microbatches: int, stages: int) -> float:
-    """A lower bound of a plan's peak bytes per device (``memory.param_state``'s terms summed over
-    its ``stages``, ``stage_terms``), before its strategies and stage cut are known, from
-    ``param_bytes``, the model's parameter bytes at least one rank's shards add up to (full / tp).
-
-    A stage's peak holds its parameters' weights, optimizer state and, with several microbatches,
-    their gradients (activations and the transient are >= 0); each parameter's local shard is at
-    least 1/tp of it and the stages together hold every parameter, so the fullest of the ``stages``
-    holds at least 1/stages of
-
-        ZeRO-0:    (1 + w) + 2          (+ 1 gradient)       bytes per parameter byte
-        ZeRO-1:    (1 + w) + 1/d + 2/d  (+ 1)
-        ZeRO-2/3:  1/d + 2/d            (+ 1/d)              (gathered weights >= 0)
-
-    with w the working copy's ratio and d = dp_shard, as ``param_state`` counts them."""
-    d = mesh.dp_shard
-    held = microbatches > 1
-    if zero >= 2 and d > 1:
-        per_byte = 3.0 / d + (1.0 / d if held else 0.0)
-    else:
-        per_byte = (1.0 + working_copy) + (1.0 / d if zero == 1 else 0.0) + 2.0 / (d if zero else 1) + (1.0 if held else 0.0)
-    return param_bytes * per_byte / stages
-
-
-def unit_costs(cap, strategies: dict, units, mesh, dev, *, zero: int, gpus_per_node: int, working_copy: float,
-               regions=(), tp_seconds: bool = False):
-    """Per unit (anything with the ``nodes`` it runs) per microbatch: seconds (fwd+bwd, with the
-    launch overhead and the tp collectives its ops consume), static bytes, activation bytes; and
-    the point-to-point seconds of a cut after each unit.
-
-    The bytes are the plan's memory model (``cost_model.memory``) split by unit: parameters,
-    gradients and optimizer state (``state_bytes_per_param_byte``, as ``memory.param_state``
-    counts them with gradients held), and what torch.compile keeps for the
-    backward with ``regions`` recomputed (``compiled_kept``). The backward's transient excess,
-    a maximum over a stage's ops rather than a sum over its units, is left to the plan's
-    per-stage memory. ``tp_seconds``: also return, last, each unit's seconds of tp collectives
-    (part of its seconds), for the step's split by term (``pipeline_split``)."""
+def unit_costs(cap, strategies: dict, units, mesh, dev, *, gpus_per_node: int):
+    """Per unit (anything with the ``nodes`` it runs) per microbatch: seconds (fwd+bwd, with the launch
+    overhead and the tp collectives its ops consume); the point-to-point seconds of a cut after each
+    unit; and each unit's seconds of tp collectives (part of its seconds), for the step's split by
+    term (``pipeline_split``). Its bytes are the memory model's (``cost_model.memory.unit_memory``)."""
     tp = mesh.tp
     tp_inter = axis_is_inter_node(tp, 1, gpus_per_node)
     pp_inter = axis_is_inter_node(mesh.pp, tp, gpus_per_node)
     units = tuple(units)
     unit_of = {n: k for k, u in enumerate(units) for n in u.nodes}
-    static = np.zeros(len(units))
-    state = state_bytes_per_param_byte(mesh, zero, working_copy)
-    params = tuple(cap.params.values())
-    sizes_of = cached(cap.gm.graph, ("unit_param_sizes", units, tp),
-                      lambda: _unit_param_sizes(cap, strategies, units, unit_of, tp), *strategies_of(strategies, params))
-    for k, sizes in enumerate(sizes_of):
-        for nbytes in sizes:   # in the order the parameters are summed
-            static[k] += nbytes * state
-    regions = tuple(tuple(r) for r in regions)
     nodes = tuple(cap.gm.graph.nodes)
-    time, act, boundary, tp_time = cached(
-        cap.gm.graph, ("unit_costs", units, tp, tp_inter, pp_inter, regions),
-        lambda: _unit_costs(cap, strategies, units, unit_of, tp, dev, tp_inter, pp_inter, regions), dev,
+    time, boundary, tp_time = cached(
+        cap.gm.graph, ("unit_costs", units, tp, tp_inter, pp_inter),
+        lambda: _unit_costs(cap, strategies, units, unit_of, tp, dev, tp_inter, pp_inter), dev,
         *strategies_of(strategies, nodes))
-    time, act, boundary, tp_time = time.copy(), act.copy(), boundary.copy(), tp_time.copy()
-    return (time, static, act, boundary, tp_time) if tp_seconds else (time, static, act, boundary)
+    return time.copy(), boundary.copy(), tp_time.copy()
 
 
-def _unit_param_sizes(cap, strategies, units, unit_of, tp: int) -> list[list[float]]:
-    """Per unit, the local bytes of each parameter its ops use, in ``cap.params`` order."""
-    out = [[] for _ in units]
-    for node in cap.params.values():
-        pl = strategies[node].output
-        nbytes = float(np.prod(local_shape(tuple(node.meta["val"].shape), pl, tp))) * node.meta["val"].element_size()
-        for k in {unit_of[u] for u in node.users if u in unit_of}:
-            out[k].append(nbytes)
-    return out
-
-
-def _unit_costs(cap, strategies, units, unit_of, tp: int, dev, tp_inter: bool, pp_inter: bool, regions):
-    """``unit_costs``' figures that the ZeRO stage does not change: seconds, activation bytes, cut
-    seconds and tp seconds per unit, once per graph, units, strategies and regions (``cost_model.memo``)."""
+def _unit_costs(cap, strategies, units, unit_of, tp: int, dev, tp_inter: bool, pp_inter: bool):
+    """``unit_costs``' figures: seconds, cut seconds and tp seconds per unit, once per graph, units and
+    strategies (``cost_model.memo``)."""
     time = np.zeros(len(units))
     for n, k in unit_of.items():
         time[k] += strategy_time(n, strategies[n], tp, dev, tp_inter) + OP_OVERHEAD
@@ -183,10 +113,6 @@ def _unit_costs(cap, strategies, units, unit_of, tp: int, dev, tp_inter: bool, p
             if consumer in unit_of:
                 tp_time[unit_of[consumer]] += collective_time(kind, nbytes, tp, dev, tp_inter)
     time += tp_time
-    act = np.zeros(len(units))
-    for k, u in enumerate(units):
-        members = set(u.nodes)
-        act[k] = kept_bytes(cap, u.nodes, strategies, tp, [r for r in regions if r and r[0] in members])
     # a value crosses the cuts after its own unit up to the last unit that reads it
     sent = np.zeros(len(units) + 1)
     for a, k in unit_of.items():
@@ -197,12 +123,13 @@ def _unit_costs(cap, strategies, units, unit_of, tp: int, dev, tp_inter: bool, p
             sent[last] -= nbytes
     bw = dev.inter_node_bw if pp_inter else dev.intra_node_bw
     boundary = 2 * np.cumsum(sent)[:max(len(units) - 1, 0)] / bw   # activations forward, gradients back
-    return time, act, boundary, tp_time
+    return time, boundary, tp_time
 
 
-def rank_param_bytes(static, bounds, mesh, zero: int, working_copy: float) -> float:
+def rank_param_bytes(static, bounds, mesh, zero: int, working_copy: float, offload: bool = False) -> float:
     """Parameter bytes of the pipeline rank holding the most, read off the units' static bytes
-    (``unit_costs``) under the cut ``bounds``: what its dp sync and update move."""
-    state = state_bytes_per_param_byte(mesh, zero, working_copy)
+    (``cost_model.memory.unit_memory``, with ``offload`` as there) under the cut ``bounds``: what
+    its dp sync and update move."""
+    state = state_bytes_per_param_byte(mesh, zero, working_copy, offload)
     return max(sum(static[a:b].sum() for s, (a, b) in enumerate(bounds) if s % mesh.pp == r)
                for r in range(mesh.pp)) / state

@@ -1,16 +1,19 @@
-"""A candidate's step time: the one sum, and the terms outside the ops that go into it.
+"""A candidate's step time: its terms, and the prices outside the ops that go into them.
 
-    step = compute + sum over axes of unoverlapped communication + update
+    step = compute + tp + cp + pp + dp + bubble + update + offload      (``terms.StepTerms.total``)
 
-``compute`` is the ops' forward and backward over the step's microbatches; with pipeline stages it
-is the pipeline's makespan (``cost_model.stages.pipeline_time``: the tp collectives the units
-consume and the fill/drain bubble are inside it). The communication terms are the tp collectives
-between ops (pp = 1) and the dp gradient sync (``dp_sync_time``: with ZeRO-2/3 and the units'
-figures, only what prefetch leaves exposed, ``zero_exposed_time``); ``update`` is the optimizer step
-and 16-bit weight casts of the busiest rank (``compute.update_time``). Every search and report
-adds a step up with ``step_time``: the plan (``Plan.predicted_step_time``), the microbatch
-choice, the mesh ranking (through the plans it ranks) and the symbolic costs, whose terms are
-sympy expressions (the sum is plain arithmetic, so it takes them as it takes floats).
+``price_step`` makes a candidate's ``StepTerms``, once. ``compute`` is the ops' forward and backward
+over the step's microbatches (``flat_compute_time``); with pipeline stages, the pipeline's
+makespan split into the busiest pipeline rank's compute, tp and pp work and the fill/drain
+bubble (``cost_model.stages.pipeline_split``). The communication terms are the tp collectives
+between ops (pp = 1, ``tp_comm_time``), the cp collectives (``cost_model.context.cp_seconds``) and
+the dp gradient sync (``dp_sync_time``: with ZeRO-2/3 and the units' figures, only what prefetch
+leaves exposed, ``zero_exposed_time``); ``update`` and ``offload`` are the optimizer step of the
+busiest rank on the device and on the host (``update_terms``, ``compute.update_time``,
+``compute.offload_update_time``). Every search and report adds a step up with
+``terms.step_time``: the plan (``Plan.predicted_step_time``), the microbatch choice, the mesh
+ranking (through the candidates it ranks) and the symbolic costs, whose terms are sympy
+expressions (the sum is plain arithmetic, so it takes them as it takes floats).
 """
 from __future__ import annotations
 
@@ -20,17 +23,22 @@ from autopar.mesh import Mesh
 from autopar.placement import local_shape
 
 from .comm import axis_is_inter_node, collective_time
-from .compute import update_time
+from .compute import offload_update_time, update_time
 from .memo import cached, strategies_of
 from .strategy import OP_OVERHEAD, strategy_time
+from .terms import StepTerms
 
 
-def step_time(compute, comm, update):
-    """Seconds per training step: ``compute`` + every axis's communication in ``comm`` + ``update``."""
-    total = compute
-    for seconds in comm:
-        total = total + seconds
-    return total + update
+def price_step(work: dict, *, dp: float, cp: float, update: float, offload: float, cp_ranks: int = 1) -> StepTerms:
+    """A candidate's ``StepTerms``, the one place they are made. ``work``: the ops' terms priced on
+    whole sequences: without pipeline stages "compute" and "tp" (``flat_compute_time``,
+    ``tp_comm_time``), with them the busiest pipeline rank's "compute", "tp", "pp" and "bubble"
+    (``stages.pipeline_split``); each is divided by ``cp_ranks``, which split every sequence
+    (``cost_model.context``). ``dp``, ``cp``, ``update`` and ``offload``: seconds as priced."""
+    def per_rank(term: str) -> float:
+        return work.get(term, 0.0) / cp_ranks
+    return StepTerms(compute=per_rank("compute"), tp=per_rank("tp"), cp=cp, pp=per_rank("pp"), dp=dp,
+                     bubble=per_rank("bubble"), update=update, offload=offload, pipelined="bubble" in work)
 
 
 def dp_sync_kinds(zero: int) -> list[tuple[str, str]]:
@@ -231,16 +239,19 @@ def param_byte_time(mesh, dev, *, zero: int, working_copy: bool, gpus_per_node: 
     return seconds / mesh.pp
 
 
-def rank_update_time(param_bytes: float, mesh, dev, zero: int, working_copy: bool, *,
-                     offload: bool = False) -> float:
-    """``update_time`` of a rank holding ``param_bytes`` of fp32 parameters, its optimizer state
-    sharded over dp_shard (all of dp unless it is split) from ZeRO-1 on; with ``offload`` stepped on the host."""
-    return update_time(param_bytes, dev, working_copy=working_copy, optimizer_shards=mesh.dp_shard if zero else 1,
-                       offload=offload)
+def update_terms(param_bytes: float, mesh, dev, zero: int, working_copy: bool, *,
+                 offload: bool = False) -> tuple[float, float]:
+    """(update, offload) seconds of a rank holding ``param_bytes`` of fp32 parameters, its optimizer
+    state sharded over dp_shard (all of dp unless it is split) from ZeRO-1 on: the device's AdamW
+    and 16-bit casts (``update_time``), and with ``offload`` the host's step in their stead
+    (``offload_update_time``, over the fp32 parameters it steps)."""
+    shards = mesh.dp_shard if zero else 1
+    device = update_time(param_bytes, dev, working_copy=working_copy, optimizer_shards=shards, offload=offload)
+    return device, offload_update_time(param_bytes / 4 / shards, dev) if offload else 0.0
 
 
-def plan_update_time(memory, mesh, zero: int, precision: str, dev, *, offload: bool = False) -> float:
-    """``rank_update_time`` of the pipeline rank holding the most parameters, read off its stages'
+def plan_update_terms(memory, mesh, zero: int, precision: str, dev, *, offload: bool = False) -> tuple[float, float]:
+    """``update_terms`` of the pipeline rank holding the most parameters, read off its stages'
     ``memory`` (a plan's MemoryPlans): AdamW state is two fp32 moments per fp32 parameter, 1/dp of
     them (1/dp_shard with a split dp) from ZeRO-1 on; offloaded, the host holds them with the fp32
     master (``MemoryPlan.host``: three fp32 numbers per parameter). ``mesh``: a Mesh, or a plan's
@@ -250,9 +261,7 @@ def plan_update_time(memory, mesh, zero: int, precision: str, dev, *, offload: b
     shards = mesh.dp_shard if zero else 1
     per_rank = [sum(m.host / 3 if offload else m.optimizer / 2 for m in memory if m.stage % pp == r) * shards
                 for r in range(pp)]
-    return update_time(max(per_rank, default=0.0), dev, working_copy=precision != "fp32",
-                       optimizer_shards=shards, offload=offload)
-
+    return update_terms(max(per_rank, default=0.0), mesh, dev, zero, precision != "fp32", offload=offload)
 
 
 def flat_compute_time(strategies: dict, tp: int, dev, tp_inter: bool, microbatches: int) -> float:

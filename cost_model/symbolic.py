@@ -60,10 +60,12 @@ from .compute import attention_kind, compute_time
 from .devices import DeviceSpec, get_device
 from autopar.graph.views import VIEW_OPS
 
-from .memory import stage_terms
-from .stages import inflight_microbatches, pipeline_time, rank_param_bytes, state_bytes_per_param_byte, unit_costs
-from .step import dp_sync_time, plan_update_time, rank_unit_figures, step_time, zero_unit_figures
+from .memory import stage_terms, unit_memory
+from .stages import inflight_microbatches, pipeline_time, rank_param_bytes, unit_costs
+from .state import state_bytes_per_param_byte
+from .step import dp_sync_time, plan_update_terms, rank_unit_figures, zero_unit_figures
 from .strategy import OP_OVERHEAD, comm_bytes, strategy_work, tp_collectives
+from .terms import rank_peaks, step_time
 
 # Degrees of every record in (b, S); the fit is checked, so a model outside them is reported.
 _DEG_B, _DEG_S = 1, 2
@@ -130,12 +132,13 @@ def cost_expr(model: torch.nn.Module, plan, layout, example_inputs=None, *, devi
 
     rec, structure = _fit(graph, plan, layout, mesh, dev, gpus_per_node, b0, s0)
     compute, comm = _step_time(rec, structure, plan, mesh, dev, gpus_per_node)
-    stage_memory = _stage_memory(rec, structure)
+    stage_memory = _stage_memory(rec, structure, mesh.pp)
     B = sympy.Symbol("B", positive=True, integer=True)
     to_global = {b: B / (mesh.dp * plan.microbatches)}
     compute, comm = compute.subs(to_global), comm.subs(to_global)
     stage_memory = tuple(m.subs(to_global) for m in stage_memory)
-    update = sympy.Float(plan_update_time(plan.memory, mesh, plan.zero, plan.precision, dev))
+    update = sympy.Float(sum(plan_update_terms(plan.memory, mesh, plan.zero, plan.precision, dev,
+                                               offload=plan.offload != "none")))
     return CostExpr(step_time(compute, [comm], update), compute, comm, update, _max(stage_memory), stage_memory, B, S,
                     (b0 * mesh.dp * plan.microbatches, s0))
 
@@ -295,7 +298,8 @@ def _records(cap, plan, layout, mesh, gpus_per_node: int, dev: DeviceSpec | None
     structure["excess_nodes"] = []
     for s, nodes in enumerate(stage_nodes or [calls]):
         params, grads, opt, act, excess = stage_terms(cap, strategies, mesh, nodes, regions, zero=plan.zero,
-                                                      microbatches=plan.microbatches, working_copy=working_copy)
+                                                      microbatches=plan.microbatches, working_copy=working_copy,
+                                                      offload=plan.offload != "none", kept=plan.keep_gathered)
         terms = dict(params=params, grads=grads, optimizer=opt, activations=act * (inflight[s] if inflight else 1))
         for field, value in terms.items():
             rec[("memory", s, field)] = value
@@ -313,8 +317,7 @@ def _pipeline(cap, strategies, units, where, plan, mesh, gpus_per_node: int, wor
     # unit_costs gives a cut's seconds as 2 * bytes / link bandwidth: on links of 2 bytes/s they are
     # the bytes themselves, which are the record (the plan's device prices them afterwards).
     link = dataclasses.replace(get_device("cpu"), intra_node_bw=2.0, inter_node_bw=2.0)
-    boundary = unit_costs(cap, strategies, units, mesh, link, zero=plan.zero, gpus_per_node=gpus_per_node,
-                          working_copy=working_copy)[3]
+    boundary = unit_costs(cap, strategies, units, mesh, link, gpus_per_node=gpus_per_node)[1]
     first = [where[u.nodes[0].name] for u in units]
     bounds = [(first.index(s), len(first) - first[::-1].index(s)) for s in range(len(plan.stages))]
     for k, nbytes in enumerate(boundary):
@@ -329,8 +332,8 @@ def _dp_sync(cap, strategies, units, bounds, plan, mesh, dev: DeviceSpec, gpus_p
     prefetch hides it behind the units' compute at the plan's own shapes."""
     zero_units_ = None
     if plan.stages:
-        time, static = unit_costs(cap, strategies, units, mesh, dev, zero=plan.zero, gpus_per_node=gpus_per_node,
-                                  working_copy=working_copy)[:2]
+        time = unit_costs(cap, strategies, units, mesh, dev, gpus_per_node=gpus_per_node)[0]
+        static = unit_memory(cap, strategies, units, mesh, zero=plan.zero, working_copy=working_copy)[0]
         local = rank_param_bytes(static, bounds, mesh, plan.zero, working_copy)
         if plan.zero >= 2 and mesh.dp > 1:
             zero_units_ = rank_unit_figures(time, static, bounds, mesh,
@@ -420,11 +423,10 @@ def _step_time(rec: dict, st: dict, plan, mesh, dev: DeviceSpec, gpus_per_node: 
     return step, sympy.Float(st["dp_sync"])
 
 
-def _stage_memory(rec: dict, st: dict) -> list[sympy.Expr]:
-    """Each stage rank's peak bytes in (b, S): static state, activations, the backward's largest excess."""
-    out = []
-    for s, names in enumerate(st["excess_nodes"]):
-        fixed = _sum(rec[("memory", s, f)] for f in ("params", "grads", "optimizer", "activations"))
-        transient = _max([sympy.Integer(0)] + [rec[("excess", n)] for n in names])
-        out.append(fixed + transient)
-    return out
+def _stage_memory(rec: dict, st: dict, pp: int) -> list[sympy.Expr]:
+    """Each stage rank's peak bytes in (b, S): static state, activations, the backward's largest excess
+    (``terms.rank_peaks``, the numeric model's sum)."""
+    held = [[rec[("memory", s, f)] for f in ("params", "grads", "optimizer", "activations")]
+            for s in range(len(st["excess_nodes"]))]
+    transients = [_max([sympy.Integer(0)] + [rec[("excess", n)] for n in names]) for names in st["excess_nodes"]]
+    return rank_peaks(held, transients, pp, add=_sum, maximum=_max)

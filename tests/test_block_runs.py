@@ -42,7 +42,7 @@ def _whole(cap, strategies, mesh, nodes, regions, zero, microbatches, offload=Fa
 
     nodes = tuple(nodes)
     mine = tuple(tuple(r) for r in regions if r and r[0] in set(nodes))
-    read = memory.strategies_of(strategies, memory._read_nodes(nodes, mine))
+    read = memory.strategies_of(strategies, memory.read_nodes(nodes, mine))
     return memory._stage_terms(cap, strategies, mesh, nodes, mine, zero, microbatches, 0.5, offload, (), read)
 
 
@@ -91,7 +91,8 @@ def test_a_run_of_blocks_is_priced_as_the_run_at_block_one(planned, mode):
 
 
 def test_a_run_after_a_block_with_other_strategies_is_not_shifted(planned):
-    from autopar.cost_model.memory import kept_bytes, stage_terms
+    from autopar.cost_model.activations import kept_bytes
+    from autopar.cost_model.memory import stage_terms
     from autopar.cost_model.repeats import shifted
 
     cap, strategies = _plan_graph(planned)
@@ -113,7 +114,7 @@ def test_a_run_after_a_block_with_other_strategies_is_not_shifted(planned):
 
 
 def test_block_kept_bytes_are_the_blocks_own(planned):
-    from autopar.cost_model.memory import attention_core, compiled_kept, kept_bytes
+    from autopar.cost_model.activations import attention_core, compiled_kept, kept_bytes
 
     cap, strategies = _plan_graph(planned)
     fresh, fresh_strategies = _plan_graph(planned)

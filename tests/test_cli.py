@@ -141,8 +141,8 @@ def test_plan_ranks_meshes_with_their_choices_and_says_why(cli):
     r = cli("ranking")
     assert r.returncode == 0, r.stderr
     header = next(line for line in r.stdout.splitlines() if "mesh (dp,pp,tp)" in line)
-    assert header.split()[-12:] == ["step", "ms", "compute", "tp", "cp", "pp", "dp", "bubble", "update", "peak",
-                                    "GiB", "fits"]
+    assert header.split()[-13:] == ["step", "ms", "compute", "tp", "cp", "pp", "dp", "bubble", "update", "host",
+                                    "peak", "GiB", "fits"]
     assert re.search(r"winner \(\d+, \d+, \d+\): the fastest that fits", r.stdout)
     assert "keep_gathered chosen automatically" in r.stdout   # zero=3 with dp > 1 on the winner
 

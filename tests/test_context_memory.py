@@ -16,7 +16,7 @@ gathered keys and values, the queries) are tensors a compiled backward needs too
 recompute (a gather communicates), so the cheaper eager step is measured; not checked compiled.
 Measured (bytes per rank, kept / predicted): cp=1 2349572 / 2347520, cp=2 1453320 / 1452288
 (+0.07%), cp=4 857736 / 857216 (+0.06%); the rest is the cut token ids ``cost_model.context``
-leaves out. Without the causal-mask rows each attention keeps (``cost_model.context.attention_priced``)
+leaves out. Without the causal-mask rows each attention keeps (``cost_model.context.context_memory``)
 the prediction was 1.2% and 1.0% low.
 With ring attention (cp_attention="ring": no gathered keys and values, no mask rows): cp=2
 1174792 / 1173760 (+0.09%), cp=4 587400 / 586880 (+0.09%), 1/cp of cp=1's.

@@ -108,3 +108,15 @@ def test_the_checks_see_function_level_relative_and_package_imports():
         "autopar.planner.stage_dp.cut_stages"]
     tree = ast.parse("from .rules import shape\n")
     assert "autopar.graph.rules" in [m for _, m in _imported(tree, "autopar.graph", is_package=True)]
+
+
+def test_the_cost_models_records_import_nothing_of_autopars():
+    """``cost_model/terms.py`` (StepTerms, MemoryPlan and their two sums) is what ``plans.py`` reads of the
+    cost model besides the schedules: it imports no module of autopar, so the Plan's data can never
+    pull a price back in."""
+    path = MODULES["autopar.cost_model.terms"]
+    imported = [m for _, m in _imported(ast.parse(path.read_text()), "autopar.cost_model.terms")]
+    assert not [m for m in imported if _hits(m, ("autopar",))]
+    plans = MODULES["autopar.plans"]
+    read = [m for _, m in _imported(ast.parse(plans.read_text()), "autopar.plans") if _hits(m, ("autopar.cost_model",))]
+    assert read and all(_hits(m, ("autopar.cost_model.terms", "autopar.cost_model.stages")) for m in read)

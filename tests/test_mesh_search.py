@@ -11,9 +11,9 @@ from autopar.examples.gpt import build, example_inputs
 
 # rank, mesh (dp or HSDP's "r x s", pp, tp), microbatches, zero ("3 k5": 5 units kept gathered),
 # recompute ("auto 12": regions), offload,
-# step ms, its terms (compute, tp, cp, pp, dp, bubble, update), peak GiB, fits
+# step ms, its terms (compute, tp, cp, pp, dp, bubble, update, host), peak GiB, fits
 ROW = re.compile(r"^\s*\d+\s+\((\d+(?:x\d+)?), (\d+), (\d+)\)\s+(\d+)\s+(\d(?: k\d+)?)\s+(none|selective|full|auto \d+)"
-                 r"\s+(none|optimizer)\s+([\d.]+)((?:\s+-?[\d.]+){7})\s+([\d.]+)\s+(yes|no)$")
+                 r"\s+(none|optimizer)\s+([\d.]+)((?:\s+-?[\d.]+){8})\s+([\d.]+)\s+(yes|no)$")
 
 
 def _dp(text: str) -> int:
@@ -78,16 +78,15 @@ def test_each_row_shows_the_choices_and_the_terms_of_its_step():
 
 def test_the_split_is_the_plans_own_step_sum():
     from autopar.mesh import Mesh
-    from autopar.graph.capture import capture_pass
-    from autopar.planner.decide import _decide_offload
+    from autopar.planner.choices import choose_offload
+    from autopar.planner.request import Job, Request
     model, inputs = _gpt2()
     for mesh, m in (((4, 2, 2), 4), ((8, 1, 2), 2)):
-        d = _decide_offload(model, Mesh(*mesh), inputs, plan="auto", sequence_parallel="auto", memory_budget=None,
-                            schedule="1F1B", microbatches=m, zero=3, device="h100", gpus_per_node=8, stages=None,
-                            virtual_stages=None, recompute="none", precision="fp32", offload="none",
-                            capture=lambda x: capture_pass(model, x, require_loss=True))
-        assert sum(d.terms.values()) == pytest.approx(d.step_time, rel=1e-12), mesh
-        assert d.terms["dp"] == pytest.approx(d.fields["predicted_comm_s"] - (d.terms["tp"] if mesh[1] == 1 else 0))
+        job = Job(model, inputs, Request.of(mesh, zero=3, device="h100"))
+        d = choose_offload(job, Mesh(*mesh), m, zero=3, offload="none")
+        assert sum(d.terms.as_dict().values()) == pytest.approx(d.step_time, rel=1e-12), mesh
+        assert d.terms.dp == pytest.approx(d.terms.comm_s - (d.terms.tp if mesh[1] == 1 else 0))
+        assert d.plan().predicted_step_time == pytest.approx(d.step_time, rel=1e-12)
 
 
 def test_recompute_auto_with_mesh_auto_fits_the_device_by_default():
@@ -118,7 +117,7 @@ def test_no_mesh_fits_names_the_smallest_peak_and_what_to_change():
 
 
 HSDP_ROW = re.compile(r"^\s*\d+\s+\((\d+)x(\d+), (\d+), (\d+)\)\s+(\d+)\s+(\d(?: k\d+)?)\s+(none|selective|full|auto \d+)"
-                      r"\s+(none|optimizer)\s+([\d.]+)((?:\s+-?[\d.]+){7})\s+([\d.]+)\s+(yes|no)$")
+                      r"\s+(none|optimizer)\s+([\d.]+)((?:\s+-?[\d.]+){8})\s+([\d.]+)\s+(yes|no)$")
 
 
 def test_a_dp_across_nodes_is_ranked_split_as_hsdp_too():
@@ -139,7 +138,7 @@ def test_a_dp_across_nodes_is_ranked_split_as_hsdp_too():
 # ---- context parallelism in the ranking ----------------------------------------------------------
 
 CP_ROW = re.compile(r"^\s*\d+\s+\((\d+), (\d+), cp(\d+), (\d+)\)\s+(\d+)\s+(\d(?: k\d+)?)\s+(none|selective|full|auto \d+)"
-                    r"\s+(none|optimizer)\s+([\d.]+)((?:\s+-?[\d.]+){7})\s+([\d.]+)\s+(yes|no)$")
+                    r"\s+(none|optimizer)\s+([\d.]+)((?:\s+-?[\d.]+){8})\s+([\d.]+)\s+(yes|no)$")
 
 
 def _cp_rows(plan):

@@ -7,6 +7,7 @@ import pytest
 import autopar
 from autopar.planner.decide import decide
 from autopar.cost_model.devices import get_device
+from autopar.cost_model.memory import unit_memory
 from autopar.cost_model.stages import unit_costs
 from autopar.examples.gpt import build, example_inputs
 from autopar.planner.recompute import regions_for
@@ -25,9 +26,10 @@ def test_recompute_lets_the_stage_dp_take_a_cut_that_misses_without_it():
     units = layer_units(cap)
 
     def cut(mode):
-        costs = unit_costs(cap, strategies, units, Mesh(1, 2, 4), get_device("h100"), zero=0, gpus_per_node=8,
-                           working_copy=0.0, regions=regions_for(cap, mode))
-        return cut_stages(*costs, p=2, m=8, memory_budget=budget)
+        time, boundary, _ = unit_costs(cap, strategies, units, Mesh(1, 2, 4), get_device("h100"), gpus_per_node=8)
+        static, act = unit_memory(cap, strategies, units, Mesh(1, 2, 4), zero=0, working_copy=0.0,
+                                  regions=regions_for(cap, mode))
+        return cut_stages(time, static, act, boundary, p=2, m=8, memory_budget=budget)
 
     with pytest.raises(ValueError, match="the pipeline needs"):
         cut("none")

@@ -44,7 +44,8 @@ def test_recompute_modes_are_kept_per_inputs_not_coarser():
 def test_per_node_memory_terms_follow_the_strategies_they_read():
     """What a node keeps and its backward transient are kept per node and the strategies of it and its
     inputs: another plan of the same graph gets its own figures, the ones a fresh graph gives."""
-    from autopar.cost_model.memory import backward_transient, compiled_kept
+    from autopar.cost_model.activations import compiled_kept
+    from autopar.cost_model.backward import backward_transient
     from autopar.planner.sharding import enumerate_strategies
 
     model = build("gpt2", device="meta", n_layer=2)

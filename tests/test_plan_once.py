@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import autopar
 from autopar import api
-from autopar.planner import decide as planning
+from autopar.planner import candidate, price as planning
 from autopar.examples.gpt import example_inputs
 import pool
 from parity import BATCH, SEQ, TINY, make_model
 
 
 def _counted(rank, world):
-    calls = {"decide": 0, "solve": 0, "sharding_fields": 0, "plan": 0}
+    calls = {"decide": 0, "solve": 0, "sharding_record": 0, "plan": 0}
     originals = []
 
     def count(owner, name):
@@ -25,9 +25,9 @@ def _counted(rank, world):
         setattr(owner, name, wrapper)
 
     count(api, "decide")
-    for name in ("solve", "sharding_fields"):   # imported by name: count them where the planner calls them
+    for name in ("solve", "sharding_record"):   # imported by name: count them where the planner calls them
         count(planning, name)
-    count(planning.Decision, "plan")   # the one place a Plan is made from a decision
+    count(candidate.Candidate, "plan")   # the one place a Plan is made from a candidate
     try:
         idx, tgt = example_inputs(TINY, BATCH, SEQ)
         pm = autopar.parallelize(make_model(), (1, 1, 2), (idx, tgt), plan="megatron", compile=False)
@@ -42,6 +42,6 @@ COUNTED = pool.job(2, _counted, timeout=300)
 
 def test_only_rank_0_prices_the_plan():
     (calls0, plan0, loss0), (calls1, plan1, loss1) = COUNTED.result()
-    assert calls0 == {"decide": 1, "solve": 1, "sharding_fields": 1, "plan": 1}
-    assert calls1 == {"decide": 0, "solve": 0, "sharding_fields": 0, "plan": 0}
+    assert calls0 == {"decide": 1, "solve": 1, "sharding_record": 1, "plan": 1}
+    assert calls1 == {"decide": 0, "solve": 0, "sharding_record": 0, "plan": 0}
     assert plan0 == plan1 and loss0 == loss1

@@ -14,7 +14,9 @@ from torch.fx import GraphModule
 import autopar
 from autopar.cost_model.devices import get_device
 from autopar.cost_model import memo
-from autopar.cost_model.memory import _read_nodes, compiled_kept, excess_parts, local_param_bytes
+from autopar.cost_model.activations import compiled_kept, read_nodes
+from autopar.cost_model.backward import excess_parts
+from autopar.cost_model.state import local_param_bytes
 from autopar.graph.views import VIEW_OPS
 from autopar.cost_model.repeats import block_shift, twin
 from autopar.cost_model.strategy import _strategy_time, strategy_time
@@ -23,7 +25,9 @@ from autopar.graph.capture import capture_pass
 from autopar.graph.precision import retyped
 from autopar.graph.rules import Strategy
 from autopar.graph.units import stage_of_nodes
-from autopar.planner.decide import _stage_nodes, decide, rebuild
+from autopar.cost_model.memory import all_ops, stage_nodes
+from autopar.graph.units import layer_units, override_bounds
+from autopar.planner.decide import decide, rebuild
 from autopar.planner.recompute import regions_for
 from autopar.planner.sharding import enumerate_strategies
 from autopar.plans import dp_placements
@@ -51,7 +55,7 @@ def test_parameter_plans_follow_the_zero_stage_and_mesh_of_each_plan():
 
 
 def test_stage_ops_are_the_cut_asked_for():
-    """The ops of each stage are kept per cut (its stages' modules): another cut of the same capture
+    """The ops of each stage are kept per cut (its stages' unit bounds): another cut of the same capture
     gets its own, those the cut's units hold, in graph order."""
     model, x = _model(n_layer=4)
     two = autopar.plan(model, (1, 2, 1), x, device="h100", microbatches=2)
@@ -62,8 +66,9 @@ def test_stage_ops_are_the_cut_asked_for():
         where = stage_of_nodes(cap, plan)
         expected = tuple(tuple(n for n in calls if where.get(n.name, len(plan.stages) - 1) == s)
                          for s in range(len(plan.stages)))
-        assert _stage_nodes(cap, {"stages": plan.stages}) == expected
-    assert _stage_nodes(cap, {}) == (tuple(calls),)
+        bounds = override_bounds([st.modules for st in plan.stages], layer_units(cap), len(plan.stages))
+        assert stage_nodes(cap, bounds) == expected
+    assert all_ops(cap) == tuple(calls)
 
 
 def test_local_parameter_bytes_follow_the_strategies_of_the_parameters():
@@ -234,7 +239,7 @@ def test_nodes_read_under_recompute_regions_are_those_worked_out_in_full():
                 full.update(dict.fromkeys(region))
             for n in list(full):
                 full.update(dict.fromkeys(n.all_input_nodes))
-            assert _read_nodes(nodes, recompute) == tuple(full)
+            assert read_nodes(nodes, recompute) == tuple(full)
 
 
 def test_recompute_modes_the_budget_decides_alone_are_the_solvers():

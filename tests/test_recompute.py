@@ -54,7 +54,7 @@ def _saved_bytes(rank, world, mode):
     """Bytes autograd keeps during one forward (eager, by storage), and the eager rules' prediction
     for the plan's graph and recompute regions (the plan itself reports the compiled step's)."""
     from autopar.planner.decide import decide
-    from autopar.cost_model.memory import activation_bytes
+    from autopar.cost_model.activations import activation_bytes
 
     idx, tgt = example_inputs(EXPLICIT, BATCH, SEQ)
     pm = autopar.parallelize(make_model(EXPLICIT), (1, 1, world), (idx, tgt), plan="megatron",

@@ -79,7 +79,9 @@ def test_zero3_prefetch_hides_part_of_the_dp_traffic(planned):
 
 
 def test_pipeline_rank_units_are_the_busiest_ranks():
-    from autopar.cost_model.stages import rank_param_bytes, state_bytes_per_param_byte, unit_costs
+    from autopar.cost_model.memory import unit_memory
+    from autopar.cost_model.stages import rank_param_bytes, unit_costs
+    from autopar.cost_model.state import state_bytes_per_param_byte
     from autopar.cost_model.step import rank_unit_figures
     from autopar.graph.units import layer_units, override_bounds
 
@@ -87,7 +89,8 @@ def test_pipeline_rank_units_are_the_busiest_ranks():
     cap, strategies, plan = decide(model, (4, 2, 1), example_inputs(model.config, 16, 2048, device="meta"),
                                    device="h100", zero=3, keep_gathered=())
     dev, mesh, units = get_device("h100"), Mesh(*plan.mesh), layer_units(cap)
-    time, static, _, _ = unit_costs(cap, strategies, units, mesh, dev, zero=3, gpus_per_node=8, working_copy=0.0)
+    time = unit_costs(cap, strategies, units, mesh, dev, gpus_per_node=8)[0]
+    static = unit_memory(cap, strategies, units, mesh, zero=3, working_copy=0.0)[0]
     bounds = override_bounds([s.modules for s in plan.stages], units, len(plan.stages))
     figures = rank_unit_figures(time, static, bounds, mesh, state_bytes_per_param_byte(mesh, 3))
     assert sum(b for b, _ in figures) == pytest.approx(rank_param_bytes(static, bounds, mesh, 3, 0.0))

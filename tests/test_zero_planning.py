@@ -190,49 +190,44 @@ def test_pipeline_stages_keep_what_fits_too():
 
 
 def _zero_search(monkeypatch):
-    """(the planner's decide module, a 4-layer gpt2 on meta, its inputs, _decide's knobs, the list of
-    the ZeRO stages _decide is called for, in order, and _decide unrecorded) for the tests of the
-    mesh search's pruning."""
-    from autopar.planner import decide as d
+    """(the planner's choices module, a 4-layer gpt2 on meta, ``job(budget)``: a planning Job of it at that
+    memory budget, the list of the ZeRO stages a candidate is priced at, in order, and the pricing
+    unrecorded) for the tests of the mesh search's pruning."""
+    from autopar.planner import choices as d
+    from autopar.planner.request import Job, Request
 
     model = build("gpt2", device="meta", n_layer=4)
     inputs = example_inputs(model.config, 16, 1024, device="meta")
-    captures = {}
-
-    def capture(x):
-        key = tuple(t.shape for t in x)
-        if key not in captures:
-            captures[key] = d.capture_pass(model, x, require_loss=True)
-        return captures[key]
     knobs = dict(plan="auto", sequence_parallel="auto", schedule="1F1B", gpus_per_node=8, stages=None,
-                 virtual_stages=None, recompute="auto", precision="bf16", capture=capture, offload="none",
-                 keep_gathered="auto")
+                 virtual_stages=None, recompute="auto", precision="bf16", offload="none", keep_gathered="auto")
+
+    def job(mesh, budget):
+        return Job(model, inputs, Request.of(mesh, memory_budget=budget, device="h100", **knobs))
     planned = []
-    decide_one = d._decide
-    monkeypatch.setattr(d, "_decide", lambda *a, **k: planned.append(k["zero"]) or decide_one(*a, **k))
-    return d, model, inputs, knobs, planned, decide_one
+    price_one = d.price
+    monkeypatch.setattr(d, "price", lambda j, mesh, m, z, offload: planned.append(z) or price_one(j, mesh, m, z, offload))
+    return d, job, planned, price_one
 
 
 def test_the_mesh_search_skips_only_zero_stages_that_cannot_be_chosen(monkeypatch):
-    """``_decide_zero(prune=True)`` skips a stage only when its floors lose: the Decision it keeps is the one
-    planning every stage keeps, field for field, and each stage's floors are below its plan's figures."""
+    """``choose_zero(prune=True)`` skips a stage only when its floors lose: the candidate it keeps is the one
+    planning every stage keeps, figure for figure, and each stage's floors are below its plan's figures."""
     from autopar.mesh import Mesh
 
-    d, model, inputs, knobs, planned, decide_one = _zero_search(monkeypatch)
+    d, job, planned, price_one = _zero_search(monkeypatch)
     skipped = 0
     for mesh, m, budget in ((Mesh(16, 1, 1), 1, 2**29), (Mesh(8, 2, 1), 2, 2**29), (Mesh(4, 4, 1), 4, 80 * 2**30)):
-        kw = dict(microbatches=m, memory_budget=budget, device="h100", **knobs)
-        full = d._decide_zero(model, mesh, inputs, zero="auto", **kw)
+        j = job(mesh, budget)
+        full = d.choose_zero(j, mesh, m, zero="auto", offload="none")
         planned.clear()
-        pruned = d._decide_zero(model, mesh, inputs, zero="auto", prune=True, **kw)
+        pruned = d.choose_zero(j, mesh, m, zero="auto", offload="none", prune=True)
         skipped += 4 - len(planned)
-        assert pruned.fields["zero"] == full.fields["zero"], mesh
+        assert pruned.choices.zero == full.choices.zero, mesh
         assert (pruned.step_time, pruned.peak_memory) == (full.step_time, full.peak_memory), mesh
-        floors = d._zero_floors(mesh, inputs, choices=(0, 1, 2, 3), device="h100", **{**knobs, "microbatches": m})
+        floors = d.zero_floors(j, mesh, m, "none", (0, 1, 2, 3))
         for z in (0, 1, 2, 3):
             try:
-                one = d._decide(model, mesh, inputs, zero=z, memory_budget=budget, device="h100", microbatches=m,
-                                **knobs)
+                one = price_one(j, mesh, m, z, "none")
             except ValueError:   # no plan at this stage (no cut within the budget)
                 continue
             assert floors[z][0] <= one.peak_memory and floors[z][1] <= one.step_time, (mesh, z)
@@ -240,38 +235,37 @@ def test_the_mesh_search_skips_only_zero_stages_that_cannot_be_chosen(monkeypatc
 
 
 def test_the_mesh_search_skips_stages_that_cannot_fit_or_have_no_cut(monkeypatch):
-    """Where no ZeRO stage fits, ``_decide_zero(prune=True)`` skips a stage whose peak floor is above the least
+    """Where no ZeRO stage fits, ``choose_zero(prune=True)`` skips a stage whose peak floor is above the least
     peak planned, and with pipeline stages one whose peak floor is above the budget (it has no stage cut): the
-    Decision it keeps, or the error it raises, is the one planning every stage gives; and each stage skipped
+    candidate it keeps, or the error it raises, is the one planning every stage gives; and each stage skipped
     for want of a cut does raise when planned."""
     from autopar.mesh import Mesh
 
-    d, model, inputs, knobs, planned, decide_one = _zero_search(monkeypatch)
+    d, job, planned, price_one = _zero_search(monkeypatch)
 
-    def outcome(prune, **kw):
+    def outcome(j, prune):
         try:
-            one = d._decide_zero(model, mesh, inputs, zero="auto", prune=prune, **kw)
+            one = d.choose_zero(j, mesh, m, zero="auto", offload="none", prune=prune)
         except ValueError as e:
             return str(e)
-        return one.fields["zero"], one.step_time, one.peak_memory
+        return one.choices.zero, one.step_time, one.peak_memory
 
     no_cut = least = 0
     for mesh, m, budget in ((Mesh(16, 1, 1), 1, 2**27), (Mesh(8, 2, 1), 2, 2**28), (Mesh(4, 4, 1), 4, 2**28),
                             (Mesh(4, 4, 1), 4, 2**26)):
-        kw = dict(microbatches=m, memory_budget=budget, device="h100", **knobs)
-        full = outcome(False, **kw)
+        j = job(mesh, budget)
+        full = outcome(j, False)
         planned.clear()
-        assert outcome(True, **kw) == full, mesh
-        floors = d._zero_floors(mesh, inputs, choices=(0, 1, 2, 3), device="h100", **{**knobs, "microbatches": m})
+        assert outcome(j, True) == full, mesh
+        floors = d.zero_floors(j, mesh, m, "none", (0, 1, 2, 3))
         peaks = {}
         for z in (0, 1, 2, 3):
             try:
-                peaks[z] = decide_one(model, mesh, inputs, zero=z, memory_budget=budget, device="h100",
-                                      microbatches=m, **knobs).peak_memory
+                peaks[z] = price_one(j, mesh, m, z, "none").peak_memory
             except ValueError:
                 peaks[z] = None
             assert peaks[z] is None or peaks[z] > budget, (mesh, z)   # no stage fits in these cases
-            if d._cut_cannot_fit(mesh, floors[z][0], budget, None):
+            if d.cut_cannot_fit(mesh, floors[z][0], budget, None):
                 assert peaks[z] is None, (mesh, z)
                 no_cut += z not in planned
         for z in set(range(4)) - set(planned):

@@ -320,12 +320,30 @@ def _structure(costs, elist) -> _Structure:
 
     alive = [np.isfinite(c) for c in cost]
     pairs = [(a, b, m, np.isfinite(m)) for (a, b), m in pair_mats.items()]
+    _arc_consistency(alive, pairs, n)
+    fixed = {v: int(np.flatnonzero(alive[v])[0]) for v in range(n) if alive[v].sum() == 1}
+    constant = 0.0
+    free_pairs, folds = [], []
+    for a, b, m, _ in pairs:
+        fa, fb = a in fixed, b in fixed
+        if fa and fb:
+            constant += float(m[fixed[a], fixed[b]])
+        elif fa:
+            folds.append((b, np.where(alive[b], m[fixed[a], :], 0.0)))
+        elif fb:
+            folds.append((a, np.where(alive[a], m[:, fixed[b]], 0.0)))
+        else:
+            free_pairs.append((a, b, m))
+    return _Structure(n, loops, alive, fixed, folds, free_pairs, constant)
+
+
+def _arc_consistency(alive: list, pairs: list, n: int) -> None:
+    """AC-3 over the pair edges: each node's ``alive`` strategies narrowed, in place, to those with a
+    finite partner in every neighbour's; InfeasibleError where a node is left with none."""
     incident: list[list[int]] = [[] for _ in range(n)]
     for k, (a, b, _, _) in enumerate(pairs):
         incident[a].append(k)
         incident[b].append(k)
-
-    # AC-3 over pair edges
     queue = deque(range(len(pairs)))
     queued = [True] * len(pairs)
 
@@ -351,21 +369,6 @@ def _structure(costs, elist) -> _Structure:
         if (sup_b != alive[b]).any():
             shrink(b, sup_b, a)
 
-    fixed = {v: int(np.flatnonzero(alive[v])[0]) for v in range(n) if alive[v].sum() == 1}
-    constant = 0.0
-    free_pairs, folds = [], []
-    for a, b, m, _ in pairs:
-        fa, fb = a in fixed, b in fixed
-        if fa and fb:
-            constant += float(m[fixed[a], fixed[b]])
-        elif fa:
-            folds.append((b, np.where(alive[b], m[fixed[a], :], 0.0)))
-        elif fb:
-            folds.append((a, np.where(alive[a], m[:, fixed[b]], 0.0)))
-        else:
-            free_pairs.append((a, b, m))
-    return _Structure(n, loops, alive, fixed, folds, free_pairs, constant)
-
 
 # --------------------------------------------------------------------------- the MILP
 
@@ -376,48 +379,13 @@ class _Model:
         self.red = red
         free = [v for v in range(red.n) if v not in red.fixed]
         self.free = free
-        col = 0
-        self.xcol = {}          # v -> array: strategy -> column (-1 if dead)
-        xmem = []
-        self.xsel = []          # (v, its alive strategies): the x columns, in order
-        for v in free:
-            idx = np.full(red.alive[v].size, -1, dtype=np.int64)
-            s = np.flatnonzero(red.alive[v])
-            idx[s] = np.arange(col, col + s.size)
-            col += s.size
-            self.xcol[v] = idx
-            self.xsel.append((v, s))
-            xmem.append(mem[v][s] if mem is not None else np.zeros(s.size))
-        self.nx = col
+        xmem = self._x_columns(mem)
+        col = self.nx
         rows, cols, vals = [], [], []
-        r = 0
-        for v in free:
+        for r, v in enumerate(free):
             c = self.xcol[v][self.xcol[v] >= 0]
             rows.append(np.full(c.size, r)); cols.append(c); vals.append(np.ones(c.size))
-            r += 1
-        ycost = []
-        for a, b, m in red.pairs:
-            ok = red.alive[a][:, None] & red.alive[b][None, :] & np.isfinite(m)
-            ii, jj = np.nonzero(ok)
-            ny = ii.size
-            ycols = np.arange(col, col + ny)
-            col += ny
-            ycost.append(m[ii, jj])
-            # row constraints: sum_j y_ij - x_a,i = 0 for each alive i of a
-            sa = np.flatnonzero(red.alive[a])
-            rowmap = np.full(red.alive[a].size, -1, dtype=np.int64)
-            rowmap[sa] = np.arange(r, r + sa.size)
-            rows += [rowmap[ii], rowmap[sa]]
-            cols += [ycols, self.xcol[a][sa]]
-            vals += [np.ones(ny), -np.ones(sa.size)]
-            r += sa.size
-            sb = np.flatnonzero(red.alive[b])
-            colmap = np.full(red.alive[b].size, -1, dtype=np.int64)
-            colmap[sb] = np.arange(r, r + sb.size)
-            rows += [colmap[jj], colmap[sb]]
-            cols += [ycols, self.xcol[b][sb]]
-            vals += [np.ones(ny), -np.ones(sb.size)]
-            r += sb.size
+        r, col, ycost = self._pair_columns(len(free), col, rows, cols, vals)
         zcost, zrows = self._shared_columns(shared, col)
         col += len(zcost)
         self.ncols = col
@@ -445,6 +413,51 @@ class _Model:
         self.xmem = cat(xmem)
         self.integrality = np.zeros(col)
         self.integrality[:self.nx] = 1
+
+    def _x_columns(self, mem) -> list:
+        """Number the free nodes' alive strategies (``xcol``, ``xsel``, ``nx``); their memory per column."""
+        red, col = self.red, 0
+        self.xcol = {}          # v -> array: strategy -> column (-1 if dead)
+        xmem = []
+        self.xsel = []          # (v, its alive strategies): the x columns, in order
+        for v in self.free:
+            idx = np.full(red.alive[v].size, -1, dtype=np.int64)
+            s = np.flatnonzero(red.alive[v])
+            idx[s] = np.arange(col, col + s.size)
+            col += s.size
+            self.xcol[v] = idx
+            self.xsel.append((v, s))
+            xmem.append(mem[v][s] if mem is not None else np.zeros(s.size))
+        self.nx = col
+        return xmem
+
+    def _pair_columns(self, r: int, col: int, rows: list, cols: list, vals: list):
+        """y columns of the free pair edges from column ``col``, their equality rows from row ``r``
+        (appended to ``rows``, ``cols``, ``vals``): (next row, next column, the y costs)."""
+        red, ycost = self.red, []
+        for a, b, m in red.pairs:
+            ok = red.alive[a][:, None] & red.alive[b][None, :] & np.isfinite(m)
+            ii, jj = np.nonzero(ok)
+            ny = ii.size
+            ycols = np.arange(col, col + ny)
+            col += ny
+            ycost.append(m[ii, jj])
+            # row constraints: sum_j y_ij - x_a,i = 0 for each alive i of a
+            sa = np.flatnonzero(red.alive[a])
+            rowmap = np.full(red.alive[a].size, -1, dtype=np.int64)
+            rowmap[sa] = np.arange(r, r + sa.size)
+            rows += [rowmap[ii], rowmap[sa]]
+            cols += [ycols, self.xcol[a][sa]]
+            vals += [np.ones(ny), -np.ones(sa.size)]
+            r += sa.size
+            sb = np.flatnonzero(red.alive[b])
+            colmap = np.full(red.alive[b].size, -1, dtype=np.int64)
+            colmap[sb] = np.arange(r, r + sb.size)
+            rows += [colmap[jj], colmap[sb]]
+            cols += [ycols, self.xcol[b][sb]]
+            vals += [np.ones(ny), -np.ones(sb.size)]
+            r += sb.size
+        return r, col, ycost
 
     def objective(self, cost) -> np.ndarray:
         """The objective vector for the reduced costs ``cost`` (``_fold``'s): the x columns' costs, then

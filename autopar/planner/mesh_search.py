@@ -4,11 +4,11 @@ predicted step time.
 All candidates use one microbatch size (``microbatch_size`` sequences; the rest of a dp
 rank's batch is microbatches), so the model is captured once. Each candidate is planned as
 ``autopar.plan`` would plan it on that mesh (``price``), so its row in the ranking is that
-plan's predicted step time (``cost_model.step.step_time``) and peak memory
+plan's predicted step time (``cost_model.terms.StepTerms.total``) and peak memory
 (``Plan.memory``): the winner's row and the winner's plan are one computation. A row also shows
 the zero stage, recompute and offload its plan chose and the step's terms as its plan added them
-up (``Decision.terms``: compute, tp / cp / pp / dp exposed communication, bubble, update), and a last
-line says why the winner won. tp stays inside a node.
+up (``Candidate.terms``: compute, tp / cp / pp / dp exposed communication, bubble, update, the
+offloaded optimizer's host step), and a last line says why the winner won. tp stays inside a node.
 
 With ``hsdp`` (ZeRO may shard, zero >= 1 or "auto"), a dp that spans several nodes is also ranked
 split as HSDP: dp_shard = the dp ranks of one node (gpus_per_node / (pp * cp * tp), at least 2) and
@@ -22,9 +22,9 @@ tokens either way: every (D/cp, pp, cp, tp) gives each rank the same tokens and 
 larger cp adds its collectives (the keys and values gathered per attention, per microbatch: and
 with dp smaller there are more microbatches per rank, so more of them and more ZeRO gathers) and
 only saves memory (activations / cp). So per (pp, tp) cp rises from 1 only while no plan fits:
-the least cp whose plan fits the memory is the last one priced, and larger cp are not planned
-(this holds on the cost model's prices, where a plan at cp makes its recompute choice and stage
-cut on the whole sequence, ``cost_model.context``: memory cp saves buys no less recompute). A cp
+the least cp whose plan fits the memory is the last one priced, and larger cp are not planned.
+(A plan's recompute choice weighs its cp memory, ``cost_model.memory``, so a larger cp that
+recomputes less can be faster than the least that fits: this rule does not price it.) A cp
 whose dp the batch does not divide is skipped as a dp would be. Rows with cp > 1 name the mesh
 (dp, pp, cpC, tp). A cp the model refuses is traced once and not ranked; the table says so in one
 line with the reason (``rank_meshes``' context).
@@ -58,10 +58,12 @@ class MeshOption:
     recompute_regions: int = 0
     offload: str = "none"
     kept_gathered: int = 0   # ZeRO-3's units kept gathered from forward to backward
-    terms: dict | None = None   # the step time's terms: compute, tp, cp, pp, bubble, dp, update (seconds)
+    terms: dict | None = None   # the step time's terms (``StepTerms.as_dict``, seconds)
 
 
-TERMS = ("compute", "tp", "cp", "pp", "dp", "bubble", "update")
+# the step's terms a row shows (``cost_model.terms.StepTerms``), and their column heads
+TERMS = ("compute", "tp", "cp", "pp", "dp", "bubble", "update", "offload")
+_HEADS = {"offload": "host"}
 
 
 def hsdp_split(mesh: Mesh, gpus_per_node: int) -> Mesh | None:
@@ -122,8 +124,8 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
     saying which cp the sequence allows and one per reason the model refused a cp (those cp are
     not ranked; ``allows_context``).
 
-    ``price(mesh, microbatches)``: the candidate's plan before it is built (its ``step_time``,
-    ``peak_memory``, ``terms`` and ``fields``: the figures and choices its Plan will have), or a
+    ``price(mesh, microbatches)``: the candidate's plan before it is built (a ``Candidate``: its
+    ``step_time``, ``peak_memory``, ``terms`` and ``choices``, those its Plan will have), or a
     ValueError saying why none fits (no stage cut, or no recompute choice, within the memory);
     ``capture(inputs)``: the model traced at one microbatch, for the checks a mesh must pass before
     it is planned (tp divides the heads, pp at most the layer units, the model allows cp); ``memory_budget``: bytes per
@@ -165,28 +167,34 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
     if not out:
         raise PlanError(f"no (dp, pp, tp) for {world_size} devices suits this model and a batch of {batch}")
     out.sort(key=lambda o: (not o.fits, o.step_time, o.peak_memory))
+    return out, _context_lines(seq, world_size, refused)
+
+
+def _context_lines(seq, world_size: int, refused: dict) -> str:
+    """The ranking's lines on cp: which cp the sequence allows, and one per reason the model refused
+    a cp (``refused``: cp -> the reason, "" where it was allowed)."""
     if not seq:
-        return out, "cp: none (the first input has no sequence dim)"
+        return "cp: none (the first input has no sequence dim)"
     why_not: dict[str, list[str]] = {}
     for cp, reason in refused.items():
         if reason:
             why_not.setdefault(reason, []).append(str(cp))
-    return out, "\n".join([f"{context_sizes(seq, world_size)[1]}; a cp is planned where the meshes of less cp with "
-                           f"its pp and tp do not fit"]
-                          + [f"cp {', '.join(cps)} not ranked, the model refuses it: {reason}"
-                             for reason, cps in why_not.items()])
+    return "\n".join([f"{context_sizes(seq, world_size)[1]}; a cp is planned where the meshes of less cp with "
+                      f"its pp and tp do not fit"]
+                     + [f"cp {', '.join(cps)} not ranked, the model refuses it: {reason}"
+                        for reason, cps in why_not.items()])
 
 
 def _priced(mesh: Mesh, m: int, price, memory_budget: float) -> MeshOption:
     """The ranking's row of ``mesh`` at ``m`` microbatches: its plan's figures, or why none fits."""
     try:
-        decision = price(mesh, m)
+        candidate = price(mesh, m)
     except ValueError as e:
         return MeshOption(mesh, m, math.inf, math.inf, False, str(e))
-    peak, f = decision.peak_memory, decision.fields
-    return MeshOption(mesh, m, decision.step_time, peak, peak <= memory_budget, zero=f["zero"],
-                      recompute=f["recompute"], recompute_regions=len(f["recompute_regions"]),
-                      offload=f["offload"], kept_gathered=len(f.get("keep_gathered", ())), terms=decision.terms)
+    peak, c = candidate.peak_memory, candidate.choices
+    return MeshOption(mesh, m, candidate.step_time, peak, peak <= memory_budget, zero=c.zero, recompute=c.recompute,
+                      recompute_regions=len(c.recompute_regions), offload=c.offload,
+                      kept_gathered=len(c.keep_gathered), terms=candidate.terms.as_dict())
 
 
 def _choices(o: MeshOption) -> tuple[str, str, str]:
@@ -200,11 +208,12 @@ def _choices(o: MeshOption) -> tuple[str, str, str]:
 def ranking_table(options: list[MeshOption], limit: int = 12, context: str = "") -> str:
     """The ranking as text: mesh, microbatches, the zero stage, recompute and offload its plan chose,
     predicted step time and its terms (compute, tp / cp / pp / dp exposed communication, pipeline
-    bubble, optimizer update: the terms the step time adds up, ``Decision.terms``), peak memory,
+    bubble, optimizer update, the host's offloaded step: the terms the step time adds up,
+    ``Candidate.terms``), peak memory,
     fit (the figures to the digits ``Plan.summary`` prints them with), ``context`` (which cp were
     ranked and a line per reason the model refused a cp, ``rank_meshes``), then why the first won."""
     head = (f"{'rank':>4s}  {'mesh (dp,pp,tp)':18s} {'microbatches':>12s} {'zero':>5s} {'recompute':>9s} "
-            f"{'offload':>9s} {'step ms':>11s} " + " ".join(f"{t:>10s}" for t in TERMS)
+            f"{'offload':>9s} {'step ms':>11s} " + " ".join(f"{_HEADS.get(t, t):>10s}" for t in TERMS)
             + f" {'peak GiB':>9s}  fits")
     lines = [head]
     for k, o in enumerate(options[:limit]):
@@ -217,7 +226,7 @@ def ranking_table(options: list[MeshOption], limit: int = 12, context: str = "")
     if len(options) > limit:
         lines.append(f"      ... and {len(options) - limit} more")
     lines.append("      (times in ms; zero k: units kept gathered; recompute auto: regions chosen; "
-                 "dp: what prefetch leaves exposed" + ("; (dp, pp, cpC, tp): sequences split over C ranks)"
+                 "dp: what prefetch leaves exposed; host: the offloaded optimizer step" + ("; (dp, pp, cpC, tp): sequences split over C ranks)"
                                                         if any(o.mesh.cp > 1 for o in options) else ")"))
     lines += [f"      {line}" for line in context.splitlines()]
     lines.append(ranking_reason(options))

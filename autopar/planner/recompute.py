@@ -1,27 +1,24 @@
-"""Memory per rank and stage, and where to recompute: the plan's memory decisions.
+"""Where to recompute: the recompute regions per mode, and recompute="auto"'s choice per block.
 
-Per stage: parameters and optimizer state (by ZeRO level) of the layers it holds, the
-activations one microbatch keeps under torch.compile (``cost_model.memory.compiled_kept``) times
-the microbatches the schedule keeps in flight there, the gradients when they outlive a backward
-(several microbatches accumulate them), and what the backward adds at its highest above the
-forward's end (``backward_excess``: gradients as they arrive, gradient buffers, net of the
-activations freed by then); their sum is the peak. ``recompute="auto"`` picks per block none / selective / full
-with the smallest recompute time that brings every stage under the memory budget (an ILP over
-the blocks, ``autopar.planner.ilp``), or says the smallest peak any choice reaches.
+A mode's regions (``regions_for``): none; Megatron's selective recompute, each block's attention
+core; full, each block's ops. ``recompute="auto"`` picks per block none / selective / full with the
+smallest recompute time that brings every rank under the memory budget, each rank's peak the
+memory model's (``cost_model.memory``: the one sum), by an ILP over the blocks
+(``autopar.planner.ilp``), or says the smallest peak any choice reaches.
 """
 from __future__ import annotations
 
 import functools
 
-from autopar.cost_model.memory import attention_core, host_state, kept_bytes, stage_terms
+from autopar.cost_model.activations import attention_core, kept_bytes
+from autopar.cost_model.context import context_memory
+from autopar.cost_model.memory import all_ops, memory
 from autopar.cost_model.repeats import shifted
 from autopar.cost_model.strategy import strategy_time
 from autopar.planner.ilp import InfeasibleError, solve_strategies
-from autopar.plans import MemoryPlan
 from autopar.errors import PlanError
 from autopar.graph.capture import graph_cached
 from autopar.graph.units import find_blocks
-from autopar.graph.precision import working_copy_ratio
 
 MODES = ("none", "selective", "full")
 
@@ -36,25 +33,6 @@ def regions_for(cap, mode: str) -> list[list]:
     if mode == "selective":
         return [attention_core(b) for b in blocks if attention_core(b)]
     return [[n for n in b if n.op == "call_function"] for b in blocks]
-
-
-def memory_breakdown(cap, strategies, mesh, *, zero: int, regions, stage_nodes=None, inflight=None,
-                     microbatches: int = 1, offload: bool = False, kept=()):
-    """MemoryPlan per stage (one stage when pp = 1); with ``offload`` the optimizer's state on the host,
-    with ``kept`` ZeRO-3's units kept gathered (``cost_model.memory.param_state``)."""
-    stage_nodes = stage_nodes or [[n for n in cap.gm.graph.nodes if n.op == "call_function"]]
-    inflight = inflight or [1] * len(stage_nodes)
-    out = []
-    working_copy = working_copy_ratio(cap)
-    for s, nodes in enumerate(stage_nodes):
-        params, grads, opt, act, excess = stage_terms(cap, strategies, mesh, nodes, regions, zero=zero,
-                                                      microbatches=microbatches, working_copy=working_copy,
-                                                      offload=offload, kept=kept)
-        transient = max([0.0] + [b for _, b in excess])
-        act *= inflight[s]
-        host = host_state(cap, strategies, mesh, nodes, zero) if offload else 0.0
-        out.append(MemoryPlan(s, params, grads, opt, act, params + grads + opt + act + transient, transient, host))
-    return tuple(out)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -111,68 +89,72 @@ def _block_ops(cap) -> tuple[list[tuple], list[tuple]]:
 
 
 def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, microbatches: int = 1,
-                     stage_nodes=None, inflight=None, offload: bool = False):
-    """Per block the cheapest recompute mode (by recomputed forward time) fitting ``budget`` bytes
-    on every stage's rank (``stage_nodes`` and ``inflight`` as for ``memory_breakdown``; one
-    stage by default). A block's choice moves only its own stage's memory, so each stage is its
-    own ILP, with its activations kept for the microbatches it holds in flight. A stage that no
-    choice fits gets its blocks fully recomputed, the least memory any choice reaches: its peak
-    stays above ``budget``, for the caller to report with the other choices it searched
-    (``autopar.planner.decide.no_fit_error``)."""
+                     stage_nodes=None, inflight=None, offload: bool = False, kept=(), attention: str = "allgather"):
+    """Per block the cheapest recompute mode (by recomputed forward time) fitting ``budget`` bytes on
+    every rank (``stage_nodes`` and ``inflight`` as ``cost_model.memory.memory`` takes them, and
+    ``offload``, ``kept`` and cp's ``attention`` too; one stage by default). A block's choice moves
+    only its own rank's memory, so each pipeline rank is its own ILP, over the blocks of its
+    stages, each kept for the microbatches its stage holds in flight. A rank that no choice fits
+    gets its blocks fully recomputed, the least memory any choice reaches: its peak stays above
+    ``budget``, for the caller to report with the other choices it searched
+    (``autopar.planner.choices.no_fit_error``)."""
     blocks = find_blocks(cap) or []
     if not blocks:
         raise PlanError("recompute='auto' works per repeated block, and this model has none")
+    stage_nodes = stage_nodes or (all_ops(cap),)
+    inflight = inflight or (1,) * len(stage_nodes)
+    kw = dict(zero=zero, microbatches=microbatches, stage_nodes=stage_nodes, inflight=inflight, offload=offload,
+              kept=kept, attention=attention)
+    # the per-block ILP below adds each block's own activations to the fully recomputed peak, which
+    # carries full recompute's backward transient: when nothing recomputed already fits, say so exactly
+    if all(m.peak <= budget for m in memory(cap, strategies, mesh, regions=[], **kw)):
+        return [], ["none"] * len(blocks)
+    bases = memory(cap, strategies, mesh, regions=regions_for(cap, "full"), **kw)
+    row = _block_rows(cap, strategies, mesh, dev, attention)
+    chosen = {}
+    for r in range(min(mesh.pp, len(stage_nodes))):
+        mine = [(k, inflight[s]) for s in range(r, len(stage_nodes), mesh.pp)
+                for k, b in enumerate(blocks) if not set(stage_nodes[s]).isdisjoint(b)]
+        if not mine:   # no block to recompute here: the rank fits as it is or not at all
+            continue
+        rows = [row(k) for k, _ in mine]
+        # everything but the blocks' own activations (in flight as their stages hold them)
+        fixed = bases[r].peak - sum(f * kept[2] for (_, f), (kept, _) in zip(mine, rows))
+        choice = block_modes(tuple(tuple(seconds) for _, seconds in rows),
+                             tuple(tuple(f * b for b in kept) for (_, f), (kept, _) in zip(mine, rows)), budget - fixed)
+        modes = [2] * len(mine) if choice is None else choice   # nothing fits this rank: its least memory
+        chosen.update({k: MODES[i] for (k, _), i in zip(mine, modes)})
+    modes = [chosen[k] for k in range(len(blocks))]
+    ops, cores = _block_ops(cap)
+    regions = []
+    for core, calls, mode in zip(cores, ops, modes):
+        regions += [list(r) for r in _mode_regions(core, calls)[mode]]
+    return regions, modes
+
+
+def _block_rows(cap, strategies, mesh, dev, attention: str):
+    """``row(k)``: block k's bytes kept for backward per microbatch and its recompute seconds, per mode
+    (``MODES``), on ``mesh`` (its tp, and 1/cp of the whole sequence's bytes with what cp adds,
+    ``cost_model.context.context_memory``), once per run of blocks whose figures are the same
+    (``cost_model.repeats``: the blocks of a GPT share them)."""
     ops, cores = _block_ops(cap)
     figures: dict = {}
 
     def row(k: int) -> tuple[list[float], list[float]]:
-        """Block k's bytes kept for backward and recompute seconds per mode, once per run of blocks
-        whose figures are the same (``cost_model.repeats``: the blocks of a GPT share them)."""
         calls, regions = ops[k], (cores[k], ops[k])
         run = shifted(cap, strategies, calls, regions)
         if run is not None:
             calls, regions, _ = run
         if calls not in figures:
             options = _mode_regions(*regions)
+            kv = context_memory(cap, strategies, mesh.cp, mesh.tp, attention, [calls])[0][0] if mesh.cp > 1 else 0.0
             # recomputing runs the region's forward again: about a third of its forward + backward
-            figures[calls] = ([kept_bytes(cap, calls, strategies, mesh.tp, options[m]) for m in MODES],
-                           [sum(strategy_time(n, strategies[n], mesh.tp, dev, False) for r in options[m] for n in r) / 3
-                            for m in MODES])
+            figures[calls] = ([kept_bytes(cap, calls, strategies, mesh.tp, options[m]) / mesh.cp
+                               + (kv if m == "none" else 0.0) for m in MODES],
+                              [sum(strategy_time(n, strategies[n], mesh.tp, dev, False) for r in options[m] for n in r)
+                               / 3 for m in MODES])
         return figures[calls]
-
-    stage_nodes = stage_nodes or [[n for n in cap.gm.graph.nodes if n.op == "call_function"]]
-    inflight = inflight or [1] * len(stage_nodes)
-    # the per-block ILP below adds each block's own activations to the fully recomputed peak, which
-    # carries full recompute's backward transient: when nothing recomputed already fits, say so exactly
-    plain = memory_breakdown(cap, strategies, mesh, zero=zero, regions=[], stage_nodes=stage_nodes,
-                             inflight=inflight, microbatches=microbatches, offload=offload)
-    if all(m.peak <= budget for m in plain):
-        return [], ["none"] * len(blocks)
-    bases = memory_breakdown(cap, strategies, mesh, zero=zero, regions=regions_for(cap, "full"),
-                             stage_nodes=stage_nodes, inflight=inflight, microbatches=microbatches, offload=offload)
-    chosen = {}
-    for s, (nodes, base) in enumerate(zip(stage_nodes, bases)):
-        members = set(nodes)
-        mine = [k for k, b in enumerate(blocks) if not members.isdisjoint(b)]
-        f = inflight[s]
-        rows = [row(k) for k in mine]
-        full_act = sum(kept[2] for kept, _ in rows)
-        fixed = base.peak - f * full_act            # everything but the blocks' own activations
-        mems = [[f * b for b in kept] for kept, _ in rows]
-        costs = [seconds for _, seconds in rows]
-
-        if not mine:   # no block to recompute here: the stage fits as it is or not at all
-            continue
-        choice = block_modes(tuple(map(tuple, costs)), tuple(map(tuple, mems)), budget - fixed)
-        if choice is None:   # nothing fits this stage: its least memory
-            chosen.update({k: "full" for k in mine})
-        else:
-            chosen.update({k: MODES[i] for k, i in zip(mine, choice)})
-    modes = [chosen[k] for k in range(len(blocks))]
-    regions = []
-    for core, calls, mode in zip(cores, ops, modes):
-        regions += [list(r) for r in _mode_regions(core, calls)[mode]]
-    return regions, modes
+    return row
 
 
 def _mode_regions(core, calls) -> dict:

@@ -6,7 +6,7 @@ it; the cost of an edge is the collectives that move the producer's placement in
 the one the consumer asks for, forward and backward (``graph.reshard``), paid once
 per producer and form however many consumers want it so (the rewrite moves it once);
 a parameter's strategy also pays the optimizer update and dp gradient sync of its
-local shard. That is the step time ``sharding_fields`` prices. The ILP (``autopar.planner.ilp``)
+local shard. That is the step time the planner prices (``autopar.planner.price``). The ILP (``autopar.planner.ilp``)
 picks the cheapest consistent assignment.
 
 Repeated transformer blocks are solved once: the ILP sees the non-block nodes plus
@@ -31,8 +31,7 @@ from autopar.cost_model.compute import node_flops
 from autopar.cost_model.memo import cached, strategies_of
 from autopar.cost_model.repeats import block_shift, twin
 from autopar.cost_model.context import cp_collectives
-from autopar.cost_model.step import (dp_sync_bytes, dp_sync_collectives, dp_sync_time, flat_compute_time, tp_comm_time,
-                                     zero_unit_figures)
+from autopar.cost_model.step import dp_sync_bytes, dp_sync_collectives, zero_unit_figures
 from autopar.cost_model.strategy import OP_OVERHEAD, move_time, param_memory, strategy_time, tp_collectives
 from autopar.errors import PlanError
 from autopar.graph.units import find_blocks, zero_units
@@ -372,14 +371,28 @@ def _op_name(node: Node) -> str:
     return str(node.target) if isinstance(node.target, torch._ops.OpOverload) else node.target.__name__
 
 
-def sharding_fields(cap: Captured, assignment: Assignment, mesh, dev, *, sequence_parallel: bool,
-               zero: int, microbatches: int, source: str, gpus_per_node: int = 8, kept=(), cp_attention="allgather"):
-    """The Plan's fields that the chosen strategies decide: placements, collectives, the step's
-    compute and communication without pipeline stages, model FLOPs; and, as ``step_terms``, that
-    step's terms (compute, tp, dp: what ``predicted_compute_s`` and ``predicted_comm_s`` add up)
-    and, as ``dp_units``, what its dp sync was priced from (parameter bytes, ZeRO-2/3's per-unit
-    figures and the units' names). ``kept``: ZeRO-3's units kept gathered (names), whose backward
-    re-gather is not issued. ``cp_attention``: how attention runs over cp, whose collectives it records."""
+@dataclass(frozen=True)
+class Sharding:
+    """What the chosen strategies decide, as a Plan records it: the placements, the node strategies,
+    the collectives per step (tp, dp and cp), the microbatch's input shapes, the model FLOPs of a
+    step, how long the ILP took, and one rank's parameter bytes (its tp shards: what the dp sync
+    and the update move without pipeline stages)."""
+
+    parameters: tuple
+    nodes: tuple
+    collectives: tuple
+    input_shapes: tuple
+    model_flops: float
+    solve_seconds: float
+    local_bytes: float
+
+
+def sharding_record(cap: Captured, assignment: Assignment, mesh, dev, *, zero: int, microbatches: int,
+                    gpus_per_node: int = 8, kept=(), cp_attention="allgather") -> Sharding:
+    """The ``Sharding`` of ``assignment`` on ``mesh`` with ``microbatches`` per step under ``zero``:
+    the collectives summed as one pass over them would sum them. ``kept``: ZeRO-3's units kept
+    gathered (names), whose backward re-gather is not issued. ``cp_attention``: how attention runs
+    over cp, whose collectives it records."""
     from autopar.plans import CollectivePlan, ParamPlan, dp_placements
 
     strategies = assignment.strategies
@@ -398,7 +411,6 @@ def sharding_fields(cap: Captured, assignment: Assignment, mesh, dev, *, sequenc
         for nbytes in sizes:
             a[0] += m
             a[1] += nbytes * m
-    tp_comm = tp_comm_time([(k, n, b) for (k, _, _, _), (n, b) in agg.items()], tp, dev, tp_inter)
     gathered = working_copy_ratio(cap) or 1.0   # ZeRO-2/3 gather the weights at the compute dtype
     times = m if zero >= 2 else 1
     units = zero_unit_figures(strategies, zero_units(cap), tp, dev, tp_inter) if zero >= 2 and dp > 1 else None
@@ -411,27 +423,18 @@ def sharding_fields(cap: Captured, assignment: Assignment, mesh, dev, *, sequenc
             if nbytes <= 0:
                 continue
         agg[(kind, axis, phase, "(all parameters)")] = [times, times * share * dp_sync_bytes(kind, nbytes, zero, gathered)]
-    dp_comm = dp_sync_time(local_bytes, mesh, dev, zero, gpus_per_node, microbatches=m, gathered=gathered,
-                           units=units, kept=positions)
-    compute = flat_compute_time(strategies, tp, dev, tp_inter, m)
     for kind, axis, phase, where, n, b in cp_collectives(cap, strategies, mesh.cp, tp, m, local_bytes, zero, mesh.dp_shard,
                                                         cp_attention):
         a = agg.setdefault((kind, axis, phase, where), [0, 0.0])
         a[0] += n
         a[1] += b
     colls = tuple(CollectivePlan(k, axis, ph, w, n, int(b)) for (k, axis, ph, w), (n, b) in agg.items())
-    input_shapes = tuple(shape(i) for i in cap.inputs)
-    model_flops = m * mesh.dp * _graph_flops(cap)
-    return dict(mesh=(mesh.dp, mesh.pp, mesh.tp), dp_replicate=mesh.dp_replicate, cp=mesh.cp,
-                cp_attention=cp_attention, input_shapes=input_shapes, sequence_parallel=bool(sequence_parallel),
-                zero=zero, microbatches=m, device=dev.name, parameters=params, nodes=nodes, collectives=colls,
-                predicted_compute_s=compute, predicted_comm_s=tp_comm + dp_comm, solve_seconds=assignment.solve_seconds,
-                source=source, model_flops=model_flops, step_terms=dict(compute=compute, tp=tp_comm, dp=dp_comm),
-                dp_units=(local_bytes, units, names))
+    return Sharding(params, nodes, colls, tuple(shape(i) for i in cap.inputs), m * mesh.dp * _graph_flops(cap),
+                    assignment.solve_seconds, local_bytes)
 
 
 def _laid_out(cap: Captured, strategies: dict, tp: int):
-    """What ``sharding_fields`` reads off the strategies alone, once per graph, tp and strategies
+    """What ``sharding_record`` reads off the strategies alone, once per graph, tp and strategies
     (``cost_model.memo``): per parameter (FQN, shape, tp placement, local shape, aliases), their
     local bytes, the NodePlans, and the bytes of each tp collective grouped by (kind, axis, phase,
     where) in the order they are emitted."""

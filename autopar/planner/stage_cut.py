@@ -1,24 +1,60 @@
 """Pipeline stage cuts: the cost model's, or a user's ``stages=`` override checked unit by unit.
 
 The cost model prices each layer unit per microbatch under the chosen tensor-parallel strategies
-(``cost_model.stages.unit_costs``); ``autopar.planner.stage_dp`` cuts them into stages.
+(``cost_model.stages.unit_costs``) and gives it the memory figures the stage DP adds up
+(``cost_model.memory.unit_memory``); ``autopar.planner.stage_dp`` cuts the units into stages.
+The DP's memory is a bound of the memory model's peak that leaves out what does not add up unit
+by unit, chiefly the backward's transient (``cost_model.memory``'s docstring), so the cut it takes
+is checked against the peak itself (``peaks``): where the peak misses the budget, the DP is asked
+again with its budget lowered by the miss below the cut's own figure, until a cut fits or none is
+left. Every cut it is asked again for fits the budget by the DP's figure, so the answer is the
+fastest cut the DP finds whose peak fits (exact where the transients of the cuts it passes over
+are alike, as a model's repeated blocks make them).
 """
 from __future__ import annotations
 
 from autopar.graph.capture import Captured
 from autopar.graph.units import Unit, layer_units, override_bounds, stage_of_nodes
 from autopar.planner.sharding import enumerate_strategies, strategies_from_plan
-from autopar.planner.stage_dp import cut_stages, evaluate_cut
+from autopar.planner.stage_dp import StageCut, cut_stages, evaluate_cut
+
+_GIB = float(2 ** 30)
 
 
 def choose_cut(costs, units: list[Unit], mesh, *, schedule: str, microbatches: int, virtual: int,
-               memory_budget: float | None, stages=None):
-    """The stage cut: the cost model's, or a user's ``stages`` override validated unit by unit."""
+               memory_budget: float | None, stages=None, bounds=None, peaks=None, recut: bool = True) -> StageCut:
+    """The stage cut: ``bounds`` as given, a user's ``stages`` override validated unit by unit, or the
+    cost model's, the fastest whose ``peaks(bounds)`` (each pipeline rank's peak bytes by the
+    memory model) fit ``memory_budget`` (module docstring). ``costs``: the units' (time, static
+    bytes, activation bytes, cut seconds), as ``stage_dp.cut_stages`` takes them. ``recut=False``:
+    the DP's first cut or none, a ValueError where its peak misses."""
     time, static, act, boundary = costs
     kw = dict(p=mesh.pp, m=microbatches, v=virtual, schedule=schedule)
-    if stages is None:
-        return cut_stages(time, static, act, boundary, memory_budget=memory_budget, **kw)
-    return evaluate_cut(override_bounds(stages, units, mesh.pp * virtual), time, static, act, boundary, **kw)
+    if bounds is not None:
+        return evaluate_cut(bounds, time, static, act, boundary, **kw)
+    if stages is not None:
+        return evaluate_cut(override_bounds(stages, units, mesh.pp * virtual), time, static, act, boundary, **kw)
+    budget, missed = memory_budget, None
+    while True:
+        try:
+            cut = cut_stages(time, static, act, boundary, memory_budget=budget, **kw)
+        except ValueError:
+            if missed is None:
+                raise
+            raise ValueError(f"the pipeline needs {missed / _GIB:.4g} GiB per rank with the best cut found under "
+                             f"{schedule} (pp={mesh.pp}, v={virtual}, {microbatches} microbatches), its backward's "
+                             f"transient included, but the memory budget is {memory_budget / _GIB:.4g} GiB; use "
+                             "more pipeline stages, tensor parallelism or recompute") from None
+        if peaks is None or memory_budget is None:
+            return cut
+        peak = max(peaks(cut.bounds))
+        if peak <= memory_budget * (1 + 1e-9):   # the DP's own slack
+            return cut
+        missed = peak if missed is None else min(missed, peak)
+        if not recut:
+            raise ValueError(f"the pipeline's fastest cut needs {peak / _GIB:.4g} GiB per rank, its backward's "
+                             f"transient included, but the memory budget is {memory_budget / _GIB:.4g} GiB")
+        budget = max(cut.rank_memory) - (peak - memory_budget)
 
 
 def plan_layout(cap: Captured, plan) -> tuple[dict, list[Unit], dict[str, int]]:

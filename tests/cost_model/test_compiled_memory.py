@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.planner.decide import decide
-from autopar.cost_model.memory import activation_bytes, compiled_activation_bytes
+from autopar.cost_model.activations import activation_bytes, compiled_activation_bytes
 from autopar.examples.gpt import GPT, GPTConfig, example_inputs
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from autopar.planner.decide import decide
-from autopar.cost_model.memory import activation_bytes, attention_core
+from autopar.cost_model.activations import activation_bytes, attention_core
 from autopar.examples.gpt import build
 from autopar.graph.units import find_blocks
 from autopar.planner.sharding import with_regather
@@ -58,7 +58,7 @@ def test_fused_attention_replaces_the_score_term():
 def test_peak_walks_the_backward(precision):
     """The peak counts gradients only when they outlive a backward (several microbatches), and the
     backward's excess lies between nothing and the sum of every gradient and the largest transient."""
-    from autopar.cost_model.memory import backward_transient
+    from autopar.cost_model.backward import backward_transient
     from autopar.examples.gpt import example_inputs
 
     model = build("tiny", device="meta", n_layer=2, block_size=64)
@@ -84,7 +84,8 @@ def test_tied_head_keeps_its_gradient_operands_to_the_sum():
     folds the head's weight-gradient matmul into it): until then the logits' gradient and the head's
     input stay alive and the table's gradient does not exist; weights gathered per unit (ZeRO-2/3)
     reduce each use's gradient apart, as the walk without the sum counts them."""
-    from autopar.cost_model.memory import backward_excess, compiled_kept
+    from autopar.cost_model.activations import compiled_kept
+    from autopar.cost_model.backward import backward_excess
     from autopar.examples.gpt import example_inputs
 
     model = build("tiny", device="meta", n_layer=2, block_size=64, vocab_size=512)

@@ -1,0 +1,160 @@
+"""The backward's walk: how far memory rises above the forward's end while the backward runs.
+
+The peak is not the sum of everything ever allocated: ``backward_excess`` walks the backward op
+by op, from the last op to the first, freeing what is no longer read (what the forward kept,
+``cost_model.activations``) and adding gradients as they arrive and the buffers each op's
+backward holds at once (``backward_transient``). Its largest value is a stage's transient in the
+one memory sum (``cost_model.memory``).
+"""
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+from torch.fx import Node
+
+from autopar.placement import local_shape
+
+from .activations import saved_tensors, shape_bytes
+from .compute import node_flops
+from .memo import cached, strategies_of
+
+aten = torch.ops.aten
+
+
+def backward_transient(node: Node, strategies: dict, size: int) -> float:
+    """Bytes of gradient buffers alive at once while ``node``'s backward runs, on top of what is kept
+    (``_backward_transient``), once per node, axis size and strategy (``cost_model.memo``): every
+    stage cut's backward walk asks for its nodes again."""
+    if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
+        return 0.0
+    return cached(node.graph, ("backward_transient", node, size),
+                  lambda: _backward_transient(node, strategies[node], size), strategies[node])
+
+
+def _backward_transient(node: Node, s, size: int) -> float:
+    """Bytes of gradient buffers alive at once while ``node``'s backward runs, on top of what is kept.
+
+    An op's backward holds its output's gradient and writes its inputs' gradients. Cross-entropy
+    is log-softmax then NLL: two (N, V) buffers, the NLL gradient and the logits' gradient; for a
+    GPT's large vocabulary this is the step's largest transient (measured on an H200: 1.59 GiB
+    for two 0.77 GiB buffers). ``s``: the node's strategy."""
+    ins = [(a, s.inputs[k]) for k, a in enumerate(node.all_input_nodes)
+           if a.meta.get("kind") not in ("param", "buffer") and isinstance(a.meta.get("val"), torch.Tensor)
+           and a.meta["val"].is_floating_point()]
+    in_bytes = sum(shape_bytes(local_shape(tuple(a.meta["val"].shape), pl, size), a.meta["val"].dtype) for a, pl in ins)
+    if node.target is aten.cross_entropy_loss.default:
+        return 2 * in_bytes
+    val = node.meta["val"]
+    return shape_bytes(local_shape(tuple(val.shape), s.output, size), val.dtype) + in_bytes
+
+
+
+
+def backward_excess(nodes, kept: dict, strategies: dict, size: int, grads: dict, grads_held: bool,
+                    whole_weights: bool = True) -> list:
+    """[(node, bytes)]: for each op that allocates in its backward, how far the memory then exceeds
+    the forward's end (all of ``kept`` alive), walking the backward from the last op to the first.
+
+    When op t's backward runs, a kept tensor is still alive if it was produced before t (its
+    consumers' backwards may not have run; one produced at or after t is dead, its last reader
+    done), so alive(t) = kept bytes of producers before t, plus t's own statistics and masks.
+    Parameter gradients (``grads``: parameter node -> bytes) arrive with the backward of their
+    last user; with ``grads_held`` they already exist (earlier microbatches) and are left out.
+    On top, an op that runs a library kernel (matmul, attention: it has FLOPs) holds its output's
+    gradient and writes its inputs' (``backward_transient``) and its weights' at its own dtype;
+    Inductor writes the gradients of memory-bound ops into buffers their dying inputs free, so
+    those add nothing. The excess is alive(t) + new gradients + held(t) + transient(t) - sum(kept).
+
+    held(t): a weight that several ops use (a tied embedding and head) has one gradient, the sum
+    of theirs, when it enters the graph whole (``whole_weights``; ZeRO-2/3 gather such a weight
+    once for all its users, ``passes.zero``, so it enters whole there too). Inductor folds the later users' weight-gradient matmuls into that sum
+    (an addmm where the backward reaches the first user), so each such matmul's operands, its
+    output's gradient and the input it kept, stay alive from its own backward to the first
+    user's, and the summed gradient arrives there (seen in the compiled backward on CPU and on an
+    H200: a tied head keeps the logits' gradient through the whole backward)."""
+    return excess_with_grads(excess_parts(nodes, kept, strategies, size, tuple(grads), whole_weights), grads,
+                             grads_held)
+
+
+def excess_parts(nodes, kept: dict, strategies: dict, size: int, params: tuple, whole_weights: bool = True) -> tuple:
+    """What ``backward_excess`` reads of ``nodes`` apart from the parameter gradients' bytes (``params``:
+    the parameter nodes it is given gradients of): per op that allocates in its backward, its
+    position, alive(t), held(t), its transient and the 16-bit weight gradients it writes (its
+    parameters, its dtype's size); where each parameter's gradient arrives; and sum(kept). The ZeRO
+    stages, microbatch counts and offload choices of one stage differ only in those bytes, so
+    ``excess_with_grads`` prices each of them from one set of parts."""
+    index, users_of, priced = _backward_ops(nodes, strategies, size, params)
+    total = sum(kept.values())
+    before = [0.0] * (len(nodes) + 1)   # before[t]: kept bytes produced before op t (graph inputs: -1)
+    own: dict = {}                      # an op's statistics and masks, alive during its own backward
+    for k, b in kept.items():
+        before[index.get(k[0], -1) + 1] += b
+        if k[1] in ("mask", "stats", "lse"):
+            own[k[0]] = own.get(k[0], 0.0) + b
+    before = list(accumulate(before))
+    arrivals = []                       # (op position, parameter): its gradient exists once that op's backward has run
+    held = [0.0] * len(nodes)           # held[t]: deferred weight-gradient operands alive at op t
+    for p, users in users_of:
+        summed = whole_weights and len(users) > 1
+        arrivals.append((users[0] if summed else users[-1], p))
+        for u in users[1:] if summed else ():
+            user = nodes[u]
+            if node_flops(user) == (0.0, 0.0):
+                continue
+            val = user.meta["val"]
+            grad_out = shape_bytes(local_shape(tuple(val.shape), strategies[user].output, size), val.dtype)
+            inputs = [(index.get(k[0], -1), kept[k]) for k, _ in saved_tensors(user, strategies, size) if k in kept]
+            for t in range(users[0] + 1, u):
+                held[t] += grad_out + sum(nbytes for at, nbytes in inputs if at >= t)
+    ops = [(n, t, before[t] + own.get(n, 0.0), held[t], transient, weights) for n, t, transient, weights in priced]
+    return ops, arrivals, total, len(nodes)
+
+
+def _backward_ops(nodes, strategies: dict, size: int, params: tuple) -> tuple:
+    """What ``excess_parts`` reads of ``nodes`` that what they keep does not change: each node's
+    position, the positions of each of ``params``' users (parameters without one left out), and per
+    op that allocates in its backward its position, its transient and the 16-bit weight gradients it
+    writes. Once per nodes, parameters, axis size and the ops' strategies (``cost_model.memo``): the
+    recompute choices of one stage differ only in what is kept."""
+    nodes = tuple(nodes)
+
+    def compute():
+        index = {n: i for i, n in enumerate(nodes)}
+        users_of = []
+        for p in params:
+            users = sorted({index[u] for u in p.users if u in index})
+            if users:
+                users_of.append((p, users))
+        priced = []
+        mine = set(params)
+        for n in nodes:
+            t = index[n]
+            if n.op != "call_function" or node_flops(n) == (0.0, 0.0):
+                continue
+            dtype = getattr(n.meta.get("val"), "dtype", None)
+            # a 16-bit weight gradient is a buffer of its own until it is cast into the fp32 gradient
+            weights = (tuple(a for a in n.all_input_nodes if a in mine), dtype.itemsize) \
+                if dtype is not None and dtype.itemsize < 4 else None
+            priced.append((n, t, backward_transient(n, strategies, size), weights))
+        return index, users_of, priced
+    if not nodes:
+        return compute()
+    return cached(nodes[0].graph, ("backward_ops", nodes, size, tuple(params)), compute,
+                  *strategies_of(strategies, nodes))
+
+
+def excess_with_grads(parts: tuple, grads: dict, grads_held: bool) -> list:
+    """``backward_excess`` from its ``excess_parts`` and the gradients' bytes (``grads``: parameter node ->
+    bytes, for the parameters the parts were made with; ``grads_held`` as there)."""
+    ops, arrivals, total, length = parts
+    after = [0.0] * (length + 1)        # after[t]: gradients that exist once op t's backward has run
+    if not grads_held:
+        for t, p in arrivals:
+            after[t] += grads[p]
+    after = list(accumulate(after[::-1]))[::-1]
+    out = []
+    for n, t, alive, held, transient, weights in ops:
+        spent = sum(grads[a] * weights[1] / 4 for a in weights[0]) if weights is not None else 0.0
+        out.append((n, alive + after[t] + held + transient + spent - total))
+    return out
