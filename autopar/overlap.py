@@ -50,7 +50,7 @@ right after its launch before). Every mode also sets ``joint_custom_pre_pass`` t
 forward and saves the gathered weights (ZeRO-2's memory). Measured on torch 2.13 CPU (gloo, dp=2,
 zero=3, a two-block GPT): "peak-memory" launches every gather of the forward and every re-gather of
 the backward at the start of its graph and leaves reduce-scatters of one unit in flight across the
-next unit's matmuls (tests/test_zero_overlap.py); "scheduler" orders the collectives globally, each
+next unit's matmuls (tests/runtime/test_zero_overlap.py); "scheduler" orders the collectives globally, each
 launch after the wait of the one before, so in the backward no reduce-scatter outlives its unit.
 
 ``collective_gaps(code)`` reads Inductor's generated wrapper code (``run_and_get_code``) and lists,

@@ -281,7 +281,7 @@ def update_time(param_bytes: float, dev: DeviceSpec, *, working_copy: bool, opti
 # Gradient elements an offloaded step stages on the host at once (1 GiB of fp32): large enough that
 # a chunk's copies and its optimizer call dwarf their fixed costs, small beside the 12 bytes per
 # parameter of the masters and AdamW's moments. The runtime's chunk (runtime/offload.py, checked equal
-# by tests/test_offload.py: the cost model does not import the runtime).
+# by tests/runtime/test_offload.py: the cost model does not import the runtime).
 OFFLOAD_CHUNK = 2**28
 
 

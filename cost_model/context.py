@@ -38,7 +38,7 @@ divided by cp (``cost_model.step.price_step``, ``cost_model.memory.memory``). Ad
 term, the collectives above (``cp_seconds``), and what each attention keeps or holds beyond its
 1/cp (``context_memory``).
 
-What a rank keeps for the backward with "allgather" (measured in tests/test_context_memory.py,
+What a rank keeps for the backward with "allgather" (measured in tests/cost_model/test_context_memory.py,
 every tensor autograd saves in the rewritten graph's forward, each storage once):
 - the whole sequence's kept tensors at s/cp tokens, the rank's own keys and values among them:
   attention keeps the rank's queries, a view of the qkv projection's output, so that output

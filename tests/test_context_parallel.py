@@ -219,7 +219,7 @@ def test_checkpoint_moves_between_cp_meshes():
 
 def test_cp_pricing():
     """Each cp rank does 1/cp of the whole sequence's work and keeps 1/cp of its activations plus
-    the gathered keys and values whole and its rows of each attention's mask (tests/test_context_memory.py
+    the gathered keys and values whole and its rows of each attention's mask (tests/cost_model/test_context_memory.py
     measures it), and pays the cp collectives."""
     cfg = GPTConfig(vocab_size=512, block_size=256, n_layer=2, n_head=8, n_embd=256)
     plans = {cp: autopar.plan(_meta(cfg), {"cp": cp}, example_inputs(cfg, 2, 256), device="h100") for cp in (1, 2)}

@@ -1,7 +1,7 @@
 """Hugging Face Llama and Qwen2 in bf16 through autopar.parallelize on a CUDA GPU (skipped without one).
 
 A bf16 path that passes on CPU can fail on the GPU: Llama in bf16 once failed on the H200 in every
-compile mode (the rotary table's matmul met a bf16 ``inv_freq``; tests/test_precision_tables.py is
+compile mode (the rotary table's matmul met a bf16 ``inv_freq``; tests/graph/test_precision_tables.py is
 the CPU reproduction). Each model runs at (1,1,1) in the three compile modes, in one process with
 a one-rank NCCL group, and its first loss must match the fp32 loss of the same model to bf16's
 tolerance; a few AdamW steps must lower it.

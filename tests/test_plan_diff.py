@@ -18,7 +18,7 @@ def model_and_inputs():
 
 def test_auto_against_megatron_differs_only_at_the_position_table(model_and_inputs, tmp_path):
     """The automatic plan is Megatron's but for the batch-independent position table, a tie that the
-    update's price decides (tests/test_plan_structure.py); a plan planned twice diffs as equal."""
+    update's price decides (tests/planner/test_plan_structure.py); a plan planned twice diffs as equal."""
     model, x = model_and_inputs
     auto = autopar.plan(model, (1, 1, 8), x, sequence_parallel=True)
     megatron = autopar.plan(model, (1, 1, 8), x, sequence_parallel=True, plan="megatron")

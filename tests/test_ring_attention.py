@@ -10,7 +10,7 @@ ring's schedule computes every causal pair of chunks exactly once, with the same
 on every rank; the planner picks ring where its transfers hide behind the blocks' compute and the
 all-gather where they cannot; the choice round-trips through plan JSON, shows in the summary, diff
 and HTML view, and bad values are refused. Parity of whole models with ring attention is in
-tests/test_context_parallel.py, its memory in tests/test_context_memory.py."""
+tests/test_context_parallel.py, its memory in tests/cost_model/test_context_memory.py."""
 from __future__ import annotations
 
 import json

@@ -6,7 +6,7 @@ on-disk cache (its FX graph cache) that the ranks of a host share, but left alon
 compiles every graph at the same moment, each missing that cache, and a host with fewer cores than
 ranks compiles the same graph side by side. Here the lowest rank of each group of peers (same host,
 same Inductor cache directory, same pipeline and context-parallel coordinate) compiles each graph
-first; the other peers wait, then compile the same graph, which the cache answers (tests/test_overlap.py's tp=2 step of
+first; the other peers wait, then compile the same graph, which the cache answers (tests/passes/test_overlap.py's tp=2 step of
 the tiny GPT on two CPU ranks, forward and backward: about 26 CPU s per rank compiled cold, about
 7 from the cache).
 

@@ -63,10 +63,10 @@ def prefetches(compile, backend: str) -> bool:
     groups of ``backend``: always on NCCL; on gloo only in Inductor's code (``compile=True``, a
     mode, or a backend function such as ``autopar.overlap.overlap_backend``'s). A gather left in
     flight on gloo while the graph ran on eagerly (no compile, or the "aot_eager" backend)
-    corrupted the heap there: tests/test_zero.py crashed in 3 runs of 3 with "malloc(): unaligned
+    corrupted the heap there: tests/runtime/test_zero.py crashed in 3 runs of 3 with "malloc(): unaligned
     tcache chunk detected" (torch 2.13, CPU), and passed in 2 of 2 with every gather waited at its
     launch. Inductor's code, whose buffers and waits it places itself, ran its prefetched gathers
-    on gloo in tests/test_zero_overlap.py and test_zero_memory.py without fault."""
+    on gloo in tests/runtime/test_zero_overlap.py and test_zero_memory.py without fault."""
     if "gloo" not in backend:
         return True
     return compile is True or compile in MODES or callable(compile)

@@ -48,7 +48,7 @@ import torch
 from autopar.runtime.zero import SliceOptimizer, Zero1, Zero1Optimizer
 
 # Gradient elements a step stages on the host at once (1 GiB of fp32); the cost model prices this
-# chunk (``cost_model.compute.OFFLOAD_CHUNK``, checked equal by tests/test_offload.py).
+# chunk (``cost_model.compute.OFFLOAD_CHUNK``, checked equal by tests/runtime/test_offload.py).
 OFFLOAD_CHUNK = 2**28
 
 

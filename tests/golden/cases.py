@@ -1,7 +1,7 @@
 """The model x mesh x knob combinations whose plans are kept as golden files.
 
 ``python tests/golden/cases.py [NAME ...]`` (re)writes ``tests/golden/NAME.json`` from the current
-planner; ``tests/test_golden_plans.py`` re-plans each case and diffs it against its file. A golden
+planner; ``tests/planner/test_golden_plans.py`` re-plans each case and diffs it against its file. A golden
 file changes only on purpose, in the commit that changes the planner's decision or figure, with the
 change and its reason said there.
 """

@@ -1,5 +1,5 @@
 """parallelize plans once: rank 0 captures, prices and solves; the other ranks rebuild their
-strategies from the broadcast plan without pricing (tests/test_capture_constants.py checks that they
+strategies from the broadcast plan without pricing (tests/graph/test_capture_constants.py checks that they
 print none of the capture's warnings)."""
 from __future__ import annotations
 

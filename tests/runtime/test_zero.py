@@ -29,7 +29,7 @@ def _one(rank, world, mesh, zero, optimizer, knobs):
     idx, tgt = example_inputs(TINY, BATCH, SEQ)
     plan = "megatron" if mesh[2] > 1 else "auto"
     # every unit resharded under zero=3 (the planner would keep this tiny model's blocks gathered;
-    # tests/test_keep_gathered.py runs its choice)
+    # tests/planner/test_keep_gathered.py runs its choice)
     pm = autopar.parallelize(model, mesh, (idx, tgt), zero=zero, plan=plan, keep_gathered=(),
                              **{"compile": False, **knobs})
     loss, gathers = counted_gathers_step(pm, (idx, tgt), count=not knobs.get("compile"))

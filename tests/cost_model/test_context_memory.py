@@ -6,7 +6,7 @@ each CPU storage once (a view keeps its whole storage, as the memory model count
 parameters' left out (they are state, not activations). It is the plan's ``MemoryPlan.activations``
 quantity: what the forward keeps for the backward, at cp=1, 2 and 4 for the same global batch and
 sequence on the example GPT. It equals the profiler's net CPU allocation at the forward's end
-(read as tests/test_zero_memory.py reads it) within a few dozen bytes on most ranks; on one rank in
+(read as tests/cost_model/test_zero_memory.py reads it) within a few dozen bytes on most ranks; on one rank in
 a few, 80-250 KiB more are live at that point, blocks that are not saved tensors, a timing effect
 that differs from run to run, so the saved tensors are what is counted.
 

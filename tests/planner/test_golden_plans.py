@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "golden"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "golden"))
 from cases import CASES, HERE, plan_case  # noqa: E402
 
 from autopar import Plan  # noqa: E402
