@@ -18,9 +18,10 @@ from autopar.mesh import Mesh
 from autopar.runtime.parallel_model import ParallelModel
 from autopar.placement import Partial, Replicate, Shard
 from autopar.plans import Plan, PlanFormatError
+from autopar.rehearsing import rehearse
 from autopar.errors import PlanError
 
-__all__ = ["parallelize", "plan", "cost_expr", "Mesh", "Plan", "ParallelModel", "PlanError", "PlanFormatError",
+__all__ = ["parallelize", "plan", "cost_expr", "rehearse", "Mesh", "Plan", "ParallelModel", "PlanError", "PlanFormatError",
            "Shard", "Replicate", "Partial", "set_deterministic", "MasterAdamW",
            "flops_report", "FlopsReport", "report_table"]
 

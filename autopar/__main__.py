@@ -4,6 +4,7 @@
     python -m autopar plan gpt2 --mesh 1,1,4 --batch 8       plan offline (meta device) and print the plan
     python -m autopar calibrate --quick --out dev.json      measure this machine into a device profile
     python -m autopar flops gpt2 --mesh 1,2,4 --step-time 0.5  parameters and FLOPs per module and per rank, MFU
+    python -m autopar rehearse llama3-8b --mesh 8,1,1 --zero 3   one rank of the plan run on this device
 
 Errors autopar reports (a mesh the model cannot use, a malformed plan, a feature not built yet)
 are printed as one line on stderr, and the exit status is 2.
@@ -138,6 +139,41 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="compute dtype, whose peak MFU divides by (default fp32)")
     f.add_argument("--depth", type=int, default=3, help="module tree depth to show (default 3)")
+    r = sub.add_parser("rehearse", help="plan for the full mesh, then run one of its ranks alone on this device "
+                                        "(collectives move no data) and compare its time, memory and collectives "
+                                        "with the plan's",
+                       description="Plan a model (built on the meta device) for the whole mesh, build only one rank's "
+                                   "program on this machine's device (its shards alone, randomly initialised), train "
+                                   "it a few steps on random tokens in a world of the mesh's size whose collectives "
+                                   "move no data, and print the plan with the rehearsal: compute and update time, "
+                                   "peak memory and the collectives issued, beside the plan's, and the step time "
+                                   "they make with the communication the plan priced.")
+    r.add_argument("config", metavar="CONFIG_OR_MODULE",
+                   help=f"a model config ({', '.join(CONFIGS)}) or path/to/file.py:factory (as for plan)")
+    r.add_argument("--mesh", required=True, help="dp,pp,tp, axis=size pairs, or auto (with --gpus), as for plan")
+    r.add_argument("--gpus", type=int, help="number of devices, for --mesh auto")
+    r.add_argument("--rank", default="worst", type=lambda s: s if s == "worst" else int(s),
+                   help="the rank to run: a number, or worst: the pipeline rank predicted fullest (default worst)")
+    r.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    r.add_argument("--warmup", type=int, default=2, help="steps before timing, compiling (default 2)")
+    r.add_argument("--compile", default="inductor",
+                   help="inductor (as parallelize compiles), another torch.compile backend such as aot_eager, "
+                        "or none (default inductor)")
+    r.add_argument("--device", help="cost model device the plan is priced for (default: this machine's kind)")
+    r.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (default 8)")
+    r.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
+    r.add_argument("--seq", type=int, help="sequence length (default: the config's block size)")
+    r.add_argument("--plan", default="auto", choices=["auto", "megatron"], help="as for plan (default auto)")
+    r.add_argument("--zero", type=lambda s: s if s == "auto" else int(s), default=0, choices=[0, 1, 2, 3, "auto"],
+                   help="as for plan (default 0)")
+    r.add_argument("--microbatches", type=int, help="microbatches per step (default: the cost model's choice)")
+    r.add_argument("--schedule", default="1F1B", help="pipeline schedule (default 1F1B)")
+    r.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute dtype (default fp32)")
+    r.add_argument("--recompute", default="none", choices=["none", "selective", "full", "auto"],
+                   help="as for plan (default none)")
+    r.add_argument("--offload", default="none", choices=["none", "optimizer", "auto"], help="as for plan (default none)")
+    r.add_argument("--out", metavar="PLAN.json", help="also write the rehearsed plan as JSON to this file")
+    r.add_argument("--html", metavar="PLAN.html", help="also write its HTML view")
     return parser
 
 
@@ -245,6 +281,30 @@ def _plan(args) -> int:
         plan.to_html(args.html)
         print(f"plan view written to {args.html}")
     print(f"planned {args.config} (batch {args.batch}, seq {seq}) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _rehearse(args) -> int:
+    import autopar
+
+    t0 = time.perf_counter()
+    model = _model(args.config)
+    inputs, seq = _inputs(args, model)
+    compile = {"inductor": True, "none": False}.get(args.compile, args.compile)
+    plan = autopar.rehearse(model, _mesh(args.mesh), inputs, rank=args.rank, steps=args.steps, warmup=args.warmup,
+                            world_size=args.gpus, device=args.device, gpus_per_node=args.gpus_per_node,
+                            compile=compile, plan=args.plan, zero=args.zero, microbatches=args.microbatches,
+                            schedule=args.schedule, precision=args.precision, recompute=args.recompute,
+                            offload=args.offload, log=lambda line: print(line, file=sys.stderr, flush=True))
+    plan = dataclasses.replace(plan, model=args.config)
+    print(plan.summary())
+    if args.out:
+        plan.to_json(args.out)
+        print(f"plan written to {args.out}")
+    if args.html:
+        plan.to_html(args.html)
+        print(f"plan view written to {args.html}")
+    print(f"rehearsed {args.config} (batch {args.batch}, seq {seq}) in {time.perf_counter() - t0:.1f} s")
     return 0
 
 
@@ -361,6 +421,8 @@ def main(argv=None) -> int:
             return _diff(args)
         if args.command == "flops":
             return _flops(args)
+        if args.command == "rehearse":
+            return _rehearse(args)
         return _plan(args)
     except (ValueError, NotImplementedError) as e:   # PlanError and PlanFormatError are ValueErrors
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

@@ -334,6 +334,36 @@ def _parameters(plan) -> str:
             f"{''.join(rows)}</table>")
 
 
+def _rehearsals(plan) -> str:
+    """Each rehearsed rank (``autopar.rehearse``): measured beside predicted, and its collectives."""
+    if not plan.rehearsals:
+        return ""
+    parts = ["<h2>Rehearsed ranks</h2><p class='muted'>One rank run alone on one device, its collectives moving "
+             "no data: compute and memory measured, communication and bubble as the plan priced them.</p>"]
+    for r in plan.rehearsals:
+        rows = [("compute", _ms(r.compute_s), _ms(r.predicted_compute_s)),
+                ("update", _ms(r.update_s), _ms(r.predicted_update_s)),
+                ("peak memory", human_bytes(r.peak_bytes), human_bytes(r.predicted_peak_bytes)),
+                ("parameters materialised", human_bytes(r.param_bytes), human_bytes(r.planned_param_bytes)),
+                ("communication + bubble (priced)", _ms(r.comm_s + r.bubble_s), _ms(r.comm_s + r.bubble_s)),
+                ("step", _ms(r.step_s), _ms(r.predicted_step_s))]
+        body = "".join(f"<tr><td>{_e(k)}</td><td class='m'>{_e(a)}</td><td class='m'>{_e(b)}</td></tr>" for k, a, b in rows)
+        colls = "".join(f"<tr><td>{_e(c.kind)}</td><td>{_e(c.axis)}</td><td class='m'>x{c.count} "
+                        f"{_e(human_bytes(c.bytes))}</td><td class='m'>x{c.planned_count} "
+                        f"{_e(human_bytes(c.planned_bytes))}</td></tr>" for c in r.collectives)
+        parts.append(f"<h3 data-rehearsed-rank='{r.rank}'>Rank {r.rank} ({_e(r.coords)}; {_e(r.why)}) on "
+                     f"{_e(r.device)}, priced for {_e(r.priced_on)}, {r.steps} timed steps</h3>"
+                     f"<p class='muted'>peak memory: {_e(r.memory)}</p>"
+                     f"<table><tr><th></th><th>rehearsed</th><th>plan</th></tr>{body}</table>"
+                     + (f"<table><tr><th>collective</th><th>axis</th><th>issued per step</th><th>plan</th></tr>"
+                        f"{colls}</table>" if colls else ""))
+    return "".join(parts)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
 def _mesh_title(plan) -> str:
     """The mesh as the summary's first line writes it: "dp=4 (2 replicas x 2 shards) pp=1 cp=2 tp=2"."""
     mesh = Mesh.of_plan(plan)
@@ -345,5 +375,5 @@ def render(plan) -> str:
     return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
             f"<title>autopar plan: {_e(_mesh_title(plan))} ({_e(plan.device)})</title>"
             f"<style>{_CSS}</style><script>{_JS}</script></head><body><main>"
-            f"{_header(plan)}{_model(plan)}{_memory(plan)}{_parameters(plan)}"
+            f"{_header(plan)}{_model(plan)}{_memory(plan)}{_parameters(plan)}{_rehearsals(plan)}"
             "</main></body></html>\n")

@@ -17,6 +17,7 @@ from autopar.cost_model.stages import INTERLEAVED, SCHEDULES
 from autopar.cost_model.terms import MemoryPlan, StepTerms, step_time
 from autopar.errors import PlanFormatError
 from autopar.mesh import AXIS_ORDER, Mesh
+from autopar.rehearsal import CollectiveCount, Rehearsal
 
 PLAN_VERSION = 1
 
@@ -124,6 +125,7 @@ class Plan:
     cp: int = 1                     # context parallelism: each sequence split over cp ranks (2·cp chunks); 1 in older files
     cp_attention: str = "allgather"   # how attention runs over cp: "allgather" (K, V gathered) or "ring" (blocks passed on)
     step_terms: StepTerms | None = None   # the step term by term (the predicted figures add them); None in older files
+    rehearsals: tuple[Rehearsal, ...] = ()   # ranks run alone on one device (``autopar.rehearse``); () in older files
 
     @property
     def dp_shard(self) -> int:
@@ -314,6 +316,8 @@ class Plan:
                          + (" (tp, pp and bubble inside the pipeline's compute)" if self.step_terms.pipelined else ""))
         lines.append(f"Model FLOPs per step {self.model_flops:.3e}; predicted MFU {self.predicted_mfu:.1%} "
                      f"of {_significant(self.peak_flops / 1e12)} TFLOP/s per device")
+        for r in self.rehearsals:
+            lines += ["", *r.lines()]
         lines += [f"Note: {n}" for n in self.notes]
         lines += [f"Warning: {w}" for w in self.warnings]
         return "\n".join(lines)
@@ -632,7 +636,8 @@ def _build(cls, data, where: str):
 
 
 _NESTED = {"ParamPlan": ParamPlan, "NodePlan": NodePlan, "CollectivePlan": CollectivePlan,
-           "StagePlan": StagePlan, "MemoryPlan": MemoryPlan}
+           "StagePlan": StagePlan, "MemoryPlan": MemoryPlan, "Rehearsal": Rehearsal,
+           "CollectiveCount": CollectiveCount}
 
 
 def _convert(tp: str, value, name: str):

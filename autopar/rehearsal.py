@@ -1,0 +1,96 @@
+"""What a rehearsed rank measured, beside what its plan predicted: the records a Plan carries.
+
+``autopar.rehearse`` runs one rank of a plan alone on the local device, its collectives moving no
+data (``autopar.runtime.fake_group``), and records here its compute and update seconds, its peak
+memory and the collectives it issued, each beside the plan's figure for that rank, and the step
+time that results: the rehearsed compute and update plus the communication and pipeline bubble
+the plan priced (``cost_model.terms.step_time``, the one step sum). Plain frozen data, so
+``autopar.plans`` stores it and its JSON round trip reads it back; this module imports nothing of
+autopar's. ``autopar.rehearsing`` makes it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class CollectiveCount:
+    """The collectives of one ``kind`` on one mesh ``axis`` a rank issued per step (``count`` calls
+    moving ``bytes``, full tensor sizes as plans count them) and what its plan records for them
+    (``planned_count`` and ``planned_bytes``; 0 where the plan records none)."""
+
+    kind: str
+    axis: str
+    count: int
+    bytes: int
+    planned_count: int
+    planned_bytes: int
+
+
+@dataclass(frozen=True)
+class Rehearsal:
+    """One rank of a plan, rehearsed: seconds per step, peak bytes and collectives, measured and
+    predicted.
+
+    ``compute_s``: forward and backward over the step's microbatches with communication free (with
+    pipeline stages, this rank's stages run their schedule without waiting); ``update_s``: the
+    optimizer step; ``peak_bytes``: ``memory`` says what was measured (the allocator's peak on a
+    GPU); ``comm_s`` and ``bubble_s``: the communication nothing overlaps and the pipeline's fill
+    and drain, as the plan priced them; ``step_s``: the step those make (``cost_model.terms.step_time``);
+    ``param_bytes``: the bytes of the parameters materialised on the device, against the plan's
+    for the rank. ``device``: what ran it; ``priced_on``: the device the plan was priced for."""
+
+    rank: int
+    coords: str
+    why: str
+    device: str
+    priced_on: str
+    steps: int
+    compute_s: float
+    predicted_compute_s: float
+    update_s: float
+    predicted_update_s: float
+    peak_bytes: float
+    predicted_peak_bytes: float
+    memory: str
+    param_bytes: int
+    planned_param_bytes: int
+    comm_s: float
+    bubble_s: float
+    step_s: float
+    predicted_step_s: float
+    collectives: tuple[CollectiveCount, ...] = ()
+
+    @property
+    def compute_ratio(self) -> float:
+        """Rehearsed over predicted compute (0 where nothing was predicted)."""
+        return self.compute_s / self.predicted_compute_s if self.predicted_compute_s else 0.0
+
+    @property
+    def memory_ratio(self) -> float:
+        """Measured over predicted peak bytes (0 where nothing was predicted)."""
+        return self.peak_bytes / self.predicted_peak_bytes if self.predicted_peak_bytes else 0.0
+
+    def lines(self) -> list[str]:
+        """The rehearsal as a plan summary's lines."""
+        out = [f"Rehearsed rank {self.rank} ({self.coords}; {self.why}) on {self.device}, {self.steps} timed steps"
+               + ("" if self.device == self.priced_on else f" (the plan was priced for {self.priced_on})") + ":",
+               f"  compute {_ms(self.compute_s)} (predicted {_ms(self.predicted_compute_s)}, "
+               f"x{self.compute_ratio:.2f}), update {_ms(self.update_s)} (predicted {_ms(self.predicted_update_s)})",
+               f"  peak memory {self.peak_bytes / GIB:.4f} GiB, {self.memory} (predicted "
+               f"{self.predicted_peak_bytes / GIB:.4f} GiB, x{self.memory_ratio:.2f}); parameters materialised "
+               f"{self.param_bytes / GIB:.4f} GiB (plan {self.planned_param_bytes / GIB:.4f})",
+               f"  priced communication {_ms(self.comm_s)} and pipeline bubble {_ms(self.bubble_s)} exposed: step "
+               f"{_ms(self.step_s)} (predicted {_ms(self.predicted_step_s)})"]
+        if self.collectives:
+            out.append("  collectives per step, issued vs plan (count, MiB):")
+            for c in self.collectives:
+                out.append(f"    {c.kind:15s} {c.axis:12s} x{c.count:<5d} {c.bytes / 2**20:10.3f}   plan x{c.planned_count:<5d} "
+                           f"{c.planned_bytes / 2**20:10.3f}")
+        return out
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"

@@ -1,0 +1,162 @@
+"""autopar.rehearse: one rank of an N-rank plan, run on the one device this machine has.
+
+The plan is made here, for the full world (``planner.decide``: no process group, nothing
+broadcast); then only the chosen rank's program is built (``runtime.program.program_for``) on the
+local device, under a world of the plan's size whose collectives move no data and are counted
+(``runtime.fake_group``), and trained for a few steps through the same passes and torch.compile
+as ``parallelize`` (``runtime.rehearsal.run_rank``). The report (``autopar.rehearsal.Rehearsal``)
+puts the rank's measured compute, update, peak memory and collectives beside the plan's, and the
+step those make with the communication and bubble the plan priced; the Plan returned carries it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import warnings
+from collections import Counter
+
+import torch
+
+from autopar.cost_model.terms import step_time
+from autopar.mesh import Mesh, default_device_type
+from autopar.plans import Plan
+from autopar.rehearsal import CollectiveCount, Rehearsal
+
+
+def rehearse(model, mesh, example_inputs, *, rank="worst", steps: int = 5, warmup: int = 2, world_size=None,
+             device=None, gpus_per_node: int = 8, compile=True, log=None, **knobs) -> Plan:
+    """Plan ``model`` for ``mesh`` (as ``autopar.plan``; ``world_size`` for mesh="auto"), run one of
+    its ranks alone on this machine's device and return the plan carrying the report
+    (``plan.rehearsals``, shown by ``summary()``, the JSON and the HTML view).
+
+    ``rank``: a rank number, or "worst": the pipeline rank the plan predicts fullest (then slowest),
+    at coordinate 0 on the other axes (all ranks of a stage hold the same shapes). ``model`` may be
+    on the meta device: only the rank's shards are made. ``steps`` timed steps follow ``warmup``
+    ones, each a ``train_step`` on random tokens of the plan's shapes and an AdamW step; the losses
+    are meaningless (no data moves). ``device``: the cost model's device (default: this machine's
+    kind, as ``parallelize`` takes it); ``compile`` as ``parallelize`` takes it; ``knobs`` are
+    ``autopar.plan``'s (plan, zero, microbatches, precision, recompute, ...). ``log(line)`` hears
+    progress. Run it in a process without a torch.distributed world (not under torchrun)."""
+    from autopar.api import default_device
+    from autopar.planner.decide import decide
+    from autopar.runtime.fake_group import fake_world
+    from autopar.runtime.groups import process_groups
+    from autopar.runtime.program import program_for
+    from autopar.runtime.rehearsal import run_rank
+
+    here = default_device()
+    say = log or (lambda line: None)
+    say(f"planning {type(model).__name__} for mesh {mesh} ...")
+    cap, strategies, plan = decide(model, mesh, example_inputs, device=device or here, gpus_per_node=gpus_per_node,
+                                   world_size=world_size, **knobs)
+    the_mesh = Mesh.of_plan(plan)
+    chosen, why = _chosen(plan, the_mesh, rank)
+    local = _local_device()
+    predicted_peak = _predicted_peak(plan, the_mesh.coords(chosen)["pp"])
+    _check_fits(predicted_peak, chosen, local)
+    if plan.device != here:
+        warnings.warn(f"autopar.rehearse: the plan was priced for {plan.device!r} but runs here on {here!r}: its "
+                      "rehearsed figures compare different chips", stacklevel=2)
+    stored = {f: p.dtype for f, p in model.named_parameters()}
+    with fake_world(the_mesh.world_size, chosen) as tally:
+        groups = process_groups(the_mesh, plan.zero, default_device_type())
+        program = program_for(plan, chosen, cap, strategies, groups=groups, device=local, compile=compile)
+        measured = run_rank(model, program, cap, tally, steps=steps, warmup=warmup, log=say)
+    planned_params = sum(math.prod(plan.held_shape(plan.param(f))) * _itemsize(stored[f]) for f in program.params)
+    report = _report(plan, program, measured, why, predicted_peak, planned_params, here)
+    say(" ".join(report.lines()[1].split()))
+    return dataclasses.replace(plan, rehearsals=(*plan.rehearsals, report))
+
+
+def worst_rank(plan: Plan) -> tuple[int, str]:
+    """The rank of ``plan`` predicted fullest, then slowest, and why: with pipeline stages the pp
+    rank of the highest peak (then of the most stage time), at coordinate 0 on every other axis;
+    without, rank 0 (every rank holds the same shapes)."""
+    mesh = Mesh.of_plan(plan)
+    if mesh.pp == 1 or not plan.memory:
+        return 0, "every rank alike: the first"
+    peak = {r: _predicted_peak(plan, r) for r in range(mesh.pp)}
+    busy = Counter()
+    for s in plan.stages:
+        busy[s.rank] += s.predicted_time_s
+    pp = max(range(mesh.pp), key=lambda r: (peak[r], busy[r]))
+    rank = next(r for r in range(mesh.world_size)
+                if mesh.coords(r)["pp"] == pp and all(c == 0 for a, c in mesh.coords(r).items() if a != "pp"))
+    return rank, f"the fullest pipeline rank, pp {pp}: predicted peak {peak[pp] / 2**30:.3f} GiB"
+
+
+def _chosen(plan: Plan, mesh: Mesh, rank) -> tuple[int, str]:
+    """The rank to rehearse and why (``rank``: a number or "worst")."""
+    if rank == "worst":
+        return worst_rank(plan)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < mesh.world_size:
+        raise ValueError(f"rank={rank!r} is outside the plan's world of {mesh.world_size} ranks (mesh {mesh}): pass a "
+                         f"rank from 0 to {mesh.world_size - 1}, or 'worst'")
+    return rank, "as asked"
+
+
+def _predicted_peak(plan: Plan, pp: int) -> float:
+    """The plan's peak bytes for pipeline rank ``pp`` (each stage's MemoryPlan holds its rank's peak)."""
+    peaks = [m.peak for m in plan.memory if m.stage % plan.mesh[1] == pp]
+    return max(peaks, default=0.0)
+
+
+def _local_device() -> torch.device:
+    """This machine's device: its current GPU, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _capacity(device: torch.device) -> tuple[float, str]:
+    """Bytes ``device`` holds, and what it is."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return float(props.total_memory), f"this GPU ({props.name})"
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "this machine's memory"
+
+
+def _check_fits(peak: float, rank: int, device: torch.device) -> None:
+    """Refuse a rank whose predicted peak exceeds what ``device`` holds, saying by how much."""
+    capacity, what = _capacity(device)
+    if peak > capacity:
+        gib = 2**30
+        raise ValueError(f"rank {rank} of this plan is predicted to peak at {peak / gib:.1f} GiB, {(peak - capacity) / gib:.1f} "
+                         f"GiB more than {what} holds ({capacity / gib:.1f} GiB): rehearse it on a larger device, or plan "
+                         "with a smaller microbatch (microbatches=...) or more recompute")
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _report(plan: Plan, program, measured, why: str, predicted_peak: float, planned_params: int,
+            device: str) -> Rehearsal:
+    """The Rehearsal of ``measured`` (``runtime.rehearsal.Measured``), ``program``'s, against ``plan``."""
+    mesh, pp = program.mesh, program.coords["pp"]
+    terms = plan.step_terms
+    if plan.stages:   # this rank's stages, each a forward and backward per microbatch
+        predicted_compute = plan.microbatches * sum(s.predicted_time_s for s in plan.stages if s.rank == pp)
+    else:
+        predicted_compute = terms.compute if terms is not None else plan.predicted_compute_s
+    if terms is not None:
+        comm = terms.tp + terms.cp + terms.pp + terms.dp
+        bubble, predicted_update = terms.bubble, terms.update_s
+    else:
+        comm, bubble, predicted_update = plan.predicted_comm_s, 0.0, plan.predicted_update_s
+    planned = Counter(), Counter()
+    for c in plan.collectives:
+        planned[0][(c.kind, c.axis)] += c.count
+        planned[1][(c.kind, c.axis)] += c.bytes
+    keys = list(dict.fromkeys([*planned[0], *measured.collectives]))
+    colls = tuple(CollectiveCount(kind, axis, *measured.collectives.get((kind, axis), (0, 0)),
+                                  planned[0][(kind, axis)], planned[1][(kind, axis)]) for kind, axis in keys)
+    split = ("dp_replicate", "dp_shard") if mesh.split else ("dp",)   # an unsplit dp is its one shard axis
+    coords = " ".join(f"{a} {c}" for a, c in program.coords.items()
+                      if mesh.size(a) > 1 and (a in split or a not in ("dp", "dp_replicate", "dp_shard"))) or "rank 0"
+    return Rehearsal(rank=program.rank, coords=coords, why=why, device=device, priced_on=plan.device,
+                     steps=measured.steps, compute_s=measured.compute_s, predicted_compute_s=predicted_compute,
+                     update_s=measured.update_s, predicted_update_s=predicted_update, peak_bytes=measured.peak_bytes,
+                     predicted_peak_bytes=predicted_peak, memory=measured.memory, param_bytes=measured.param_bytes,
+                     planned_param_bytes=int(planned_params), comm_s=comm, bubble_s=bubble,
+                     step_s=step_time(measured.compute_s, [comm, bubble], measured.update_s),
+                     predicted_step_s=plan.predicted_step_time, collectives=colls)

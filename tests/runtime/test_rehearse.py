@@ -1,0 +1,153 @@
+"""autopar.rehearse on CPU, in this process: one rank of a plan for a larger world, built from a model
+on the meta device, run under a world whose collectives move no data. The collectives it issues
+are the plan's (ZeRO-3 over 4 ranks, Megatron's tp over 4, and both pipeline ranks of a (1, 2, 2)
+mesh, whose tp collectives add up to the plan's), only the rank's shards are made (their bytes are
+the plan's), the report round-trips through JSON and shows in the summary and the HTML view, and
+bad input fails with a sentence: a rank outside the world, a rank that does not fit the device,
+a plan priced for another chip. The CLI runs one."""
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+import autopar
+from autopar import rehearsing
+from autopar.examples.gpt import GPT, example_inputs
+from autopar.plans import Plan
+from cli import main as cli_main
+from parity import SEQ, TINY
+
+BATCH = 8
+FAST = dict(device="cpu", compile="aot_eager", steps=1, warmup=1)
+
+
+def _meta_model():
+    with torch.device("meta"):
+        return GPT(TINY)
+
+
+@functools.cache
+def _rehearsed(mesh, rank="worst", **knobs) -> Plan:
+    return autopar.rehearse(_meta_model(), mesh, example_inputs(TINY, BATCH, SEQ, device="meta"), rank=rank,
+                            **FAST, **knobs)
+
+
+def _issued(r) -> dict:
+    return {(c.kind, c.axis): (c.count, c.bytes) for c in r.collectives if c.count}
+
+
+def _planned(r) -> dict:
+    return {(c.kind, c.axis): (c.planned_count, c.planned_bytes) for c in r.collectives if c.planned_count}
+
+
+def test_zero3_rank_gathers_and_scatters_what_the_plan_says():
+    plan = _rehearsed((4, 1, 1), rank=1, zero=3)
+    (r,) = plan.rehearsals
+    assert r.rank == 1 and r.coords == "dp 1"
+    issued = _issued(r)
+    # one gather and one reduce-scatter per parameter: the plan's bytes of the forward's gathers and the
+    # backward's reduce-scatter (the backward's re-gathers of units not kept are priced in "bwd")
+    forward = sum(c.bytes for c in plan.collectives if (c.kind, c.phase) == ("all_gather", "fwd"))
+    scatter = sum(c.bytes for c in plan.collectives if c.kind == "reduce_scatter")
+    assert issued[("all_gather", "dp")] == (len(plan.parameters), forward)
+    assert issued[("reduce_scatter", "dp")] == (len(plan.parameters), scatter)
+    # beside them, only the step's bookkeeping: the loss's mean and the token count, one scalar each
+    assert set(issued) == {("all_gather", "dp"), ("reduce_scatter", "dp"), ("all_reduce", "dp")}
+    assert issued[("all_reduce", "dp")][0] == 2 and issued[("all_reduce", "dp")][1] <= 16
+
+
+def test_tp_rank_issues_exactly_the_plans_collectives():
+    (r,) = _rehearsed((1, 1, 4), rank=2, plan="megatron").rehearsals
+    assert r.coords == "tp 2"
+    assert _issued(r) == _planned(r) and len(_issued(r)) == 3
+
+
+def test_both_pipeline_ranks_add_up_to_the_plans_tp_collectives_and_send_each_microbatch():
+    first = _rehearsed((1, 2, 2), rank=0, plan="megatron")
+    last = _rehearsed((1, 2, 2), rank=3, plan="megatron")
+    m = first.microbatches
+    act = BATCH // m * SEQ * TINY.n_embd * 4 // (2 if first.sequence_parallel else 1)   # sequence-sharded over tp
+    tp = {}
+    for plan in (first, last):
+        (r,) = plan.rehearsals
+        issued = _issued(r)
+        assert issued[("send", "pp")] == issued[("recv", "pp")] == (m, m * act)   # activations one way, gradients back
+        for key, (n, b) in issued.items():
+            if key[1] == "tp":
+                tp[key] = (tp.get(key, (0, 0))[0] + n, tp.get(key, (0, 0))[1] + b)
+    assert tp == {k: v for k, v in _planned(first.rehearsals[0]).items() if k[1] == "tp"}
+    assert first.rehearsals[0].coords == "pp 0 tp 0" and last.rehearsals[0].coords == "pp 1 tp 1"
+
+
+@pytest.mark.parametrize("case", [((4, 1, 1), 1, dict(zero=3)), ((1, 1, 4), 2, dict(plan="megatron")),
+                                  ((1, 2, 2), 3, dict(plan="megatron"))])
+def test_only_the_ranks_shards_are_made(case):
+    mesh, rank, knobs = case
+    plan = _rehearsed(mesh, rank=rank, **knobs)
+    (r,) = plan.rehearsals
+    full = sum(4 * torch.Size(p.shape).numel() for p in plan.parameters)
+    assert r.param_bytes == r.planned_param_bytes and 0 < r.param_bytes < full
+
+
+def test_worst_rank_is_the_fullest_pipeline_rank():
+    plan = _rehearsed((1, 2, 2), plan="megatron")
+    (r,) = plan.rehearsals
+    peaks = [max(m.peak for m in plan.memory if m.stage % 2 == pp) for pp in range(2)]
+    pp = max(range(2), key=lambda k: peaks[k])
+    assert r.coords == f"pp {pp} tp 0" and "fullest" in r.why
+    assert r.predicted_peak_bytes == peaks[pp]
+
+
+def test_report_fields_round_trip_and_show():
+    plan = _rehearsed((1, 1, 4), rank=2, plan="megatron")
+    (r,) = plan.rehearsals
+    assert r.compute_s > 0 and r.update_s > 0 and r.peak_bytes > 0 and r.predicted_compute_s > 0
+    assert r.step_s == pytest.approx(r.compute_s + r.comm_s + r.bubble_s + r.update_s)
+    assert "tensors held" in r.memory   # on CPU: what was measured is said
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.rehearsals[0].collectives == r.collectives
+    older = json.loads(plan.to_json())
+    del older["rehearsals"]
+    assert Plan.from_json(json.dumps(older)).rehearsals == ()
+    text = plan.summary()
+    assert "Rehearsed rank 2 (tp 2; as asked) on cpu" in text and "issued vs plan" in text
+    page = plan.to_html()
+    assert "data-rehearsed-rank='2'" in page and "Rehearsed ranks" in page
+
+
+def test_a_rank_outside_the_world_is_refused():
+    with pytest.raises(ValueError, match=r"rank=4 is outside the plan's world of 4 ranks.*from 0 to 3"):
+        _rehearsed((1, 1, 4), rank=4, plan="megatron")
+
+
+def test_a_rank_that_does_not_fit_says_by_how_much(monkeypatch):
+    monkeypatch.setattr(rehearsing, "_capacity", lambda device: (1000.0, "this test's device"))
+    with pytest.raises(ValueError, match=r"GiB more than this test's device holds"):
+        autopar.rehearse(_meta_model(), (2, 1, 1), example_inputs(TINY, BATCH, SEQ, device="meta"), **FAST)
+
+
+def test_a_plan_priced_for_another_chip_warns():
+    with pytest.warns(UserWarning, match="priced for 'h100' but runs here on 'cpu'.*different chips"):
+        plan = autopar.rehearse(_meta_model(), (2, 1, 1), example_inputs(TINY, BATCH, SEQ, device="meta"),
+                                **{**FAST, "device": "h100"})
+    assert plan.rehearsals[0].priced_on == "h100" and "priced for h100" in plan.summary()
+
+
+def test_cli_rehearses_a_rank(tmp_path):
+    (tmp_path / "tiny.py").write_text(
+        "from autopar.examples.gpt import GPT, GPTConfig\n"
+        "def make():\n"
+        "    return GPT(GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_embd=32))\n")
+    out = tmp_path / "plan.json"
+    done = cli_main("rehearse", f"{tmp_path / 'tiny.py'}:make", "--mesh", "2,1,2", "--rank", "3",
+                             "--batch", "8", "--seq", "12", "--device", "cpu", "--compile", "aot_eager",
+                             "--steps", "1", "--warmup", "1", "--plan", "megatron", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "Rehearsed rank 3 (dp 1 tp 1; as asked)" in done.stdout
+    assert Plan.from_json(out).rehearsals[0].rank == 3
+    bad = cli_main("rehearse", f"{tmp_path / 'tiny.py'}:make", "--mesh", "2,1,2", "--rank", "9",
+                            "--batch", "8", "--seq", "12", "--device", "cpu")
+    assert bad.returncode == 2 and "outside the plan's world of 4 ranks" in bad.stderr
