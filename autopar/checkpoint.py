@@ -20,7 +20,10 @@ to the tp that wrote it. With ZeRO-1 a rank's optimizer state is a slice of one 
 all its shards; the part of that slice inside one parameter is a range of its row-major elements,
 written as at most 2*ndim - 1 boxes (a partial first row, whole rows, a partial last row), so the
 state lands in its parameter's global layout and loads into any dp, with or without ZeRO. Padding
-of unevenly sharded dims is never written. dp replicas (and HSDP's replicas of one dp_shard, whose
+of unevenly sharded dims is never written. At 16 bits (the distributed optimizer, ``runtime.zero``)
+the weights written are the fp32 masters, each rank's slice of them cut into boxes the same way,
+so a checkpoint loads into fp32 and 16-bit runs alike, on any mesh.
+dp replicas (and HSDP's replicas of one dp_shard, whose
 ZeRO shards and slices are cut over dp_shard only; and the cp ranks, which hold the same weights
 and ZeRO shards as their dp rank) describe identical boxes and DCP keeps one
 writer per box; a weight held by several pipeline stages (GPT's tied embedding) is written only
@@ -457,11 +460,19 @@ def _checked_group(current: dict, saved: dict, path) -> dict:
 # ---- model ---------------------------------------------------------------------------------------
 
 def _model_tensors(pm: ParallelModel, *, owned_only: bool) -> dict[str, _Boxes]:
-    """This rank's parameters (and persistent buffers) as global boxes over their memory."""
-    layouts, out = _layouts(pm), {}
-    for fqn, p in pm.stored_weights().items():   # with optimizer offload, the fp32 masters on the host
-        if not owned_only or pm.owns(fqn):
-            out[fqn] = _shard_boxes(layouts[fqn], p.detach())
+    """This rank's parameters (and persistent buffers) as global boxes over their memory; at 16 bits
+    the fp32 master weights, each parameter's part of this rank's master slice."""
+    layouts, out, zero = _layouts(pm), {}, pm.zero
+    if zero is not None and zero.dtype is not None:
+        zero.pull_changed()
+        for (fqn, p), at in zip(pm.named_parameters(), zero.offsets):
+            boxes = _slice_boxes(layouts[fqn], tuple(p.shape), zero.shard.detach(), zero.lo - at)
+            if boxes.views and (not owned_only or pm.owns(fqn)):
+                out[fqn] = boxes
+    else:
+        for fqn, p in pm.stored_weights().items():   # with optimizer offload, the fp32 masters on the host
+            if not owned_only or pm.owns(fqn):
+                out[fqn] = _shard_boxes(layouts[fqn], p.detach())
     for name, b in pm.persistent_buffers().items():
         b = b.detach()
         out[name] = _Boxes(b.shape, {(0,) * b.dim(): b})

@@ -7,7 +7,8 @@ microbatch's tokens relative to the capture's (1, but for the microbatch choice,
 other microbatch sizes from one capture):
 
     params, grads, optimizer   its parameters' state (``cost_model.state``: ``param_state``; the
-                               gradients once several microbatches accumulate them)
+                               gradients once several microbatches accumulate them, or
+                               always in the 16-bit gradient buffer)
     activations  = f_s t (A_s / c + E_s)
     transient    = t (X_s / c + Y_s)
 
@@ -50,7 +51,8 @@ from .context import context_memory
 from .memo import cached, strategies_of
 from .repeats import back, shifted
 from .stages import inflight_microbatches
-from .state import host_state, param_grad_bytes, param_state, stage_fqns, state_bytes_per_param_byte
+from .state import (host_state, param_grad_bytes, param_state, stage_fqns, state_bytes, state_bytes_per_param_byte,
+                    state_shards)
 from .terms import MemoryPlan, memory_plans
 
 
@@ -200,8 +202,8 @@ def stage_terms(cap, strategies, mesh, nodes, regions, *, zero: int, microbatche
 def _stage_terms_once(cap, strategies, mesh, nodes, mine, zero, microbatches, working_copy, offload, kept):
     """``_stage_terms``, once per question (``cost_model.memo``)."""
     read = strategies_of(strategies, read_nodes(nodes, mine))
-    key = ("stage_terms", nodes, mine, mesh.tp, mesh.dp_shard, zero, microbatches, working_copy, offload,
-           frozenset(kept))
+    key = ("stage_terms", nodes, mine, mesh.tp, state_shards(mesh, zero, working_copy, offload), zero, microbatches,
+           working_copy, offload, frozenset(kept))
     return cached(nodes[0].graph, key, lambda: _stage_terms(cap, strategies, mesh, nodes, mine, zero, microbatches,
                                                             working_copy, offload, kept, read), *read)
 
@@ -210,11 +212,13 @@ def _stage_terms(cap, strategies, mesh, nodes, mine, zero, microbatches, working
     """``stage_terms`` computed; ``read``: the strategies its figures read, those of ``read_nodes``. What
     the backward keeps and its excess but the gradients' bytes are the same for every ZeRO stage,
     microbatch count and offload choice: kept once per stage, regions and strategies."""
-    held = microbatches > 1   # gradients accumulate over the step's microbatches
+    shards = state_shards(mesh, zero, working_copy, offload)
+    # gradients accumulate over the step's microbatches, or into a buffer held through the step
+    held = microbatches > 1 or state_bytes(zero, shards, working_copy, offload).buffered
     fqns = stage_fqns(cap, nodes)
-    params, grads, opt = param_state(cap, strategies, fqns, mesh.tp, mesh.dp_shard, zero, working_copy, offload, kept)
+    params, grads, opt = param_state(cap, strategies, fqns, mesh.tp, shards, zero, working_copy, offload, kept)
     kept = compiled_kept(nodes, strategies, mesh.tp, mine, cap)
-    per_param = {cap.params[f]: b for f, b in param_grad_bytes(cap, strategies, fqns, mesh.tp, mesh.dp_shard, zero,
+    per_param = {cap.params[f]: b for f, b in param_grad_bytes(cap, strategies, fqns, mesh.tp, shards, zero,
                                                                working_copy, offload).items()}
     parts = cached(nodes[0].graph, ("excess_parts", nodes, mine, mesh.tp),
                    lambda: excess_parts(nodes, kept, strategies, mesh.tp, tuple(per_param)), *read)

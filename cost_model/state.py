@@ -3,22 +3,31 @@
 Every figure here is a rank's local parameter bytes (its tp shards, fp32) times the bytes held
 per parameter byte in ``state_bytes``, the one table of them, which the plan's memory
 (``cost_model.memory``), the stage DP's per-unit figures, the tensor-parallel ILP's memory row
-and the ZeRO floors all read. Per parameter (4 bytes at fp32), with w the 16-bit working copy's
-bytes per fp32 byte (0 at fp32, 1/2 at bf16 and fp16) and d the ranks ZeRO shards over
-(dp, or dp_shard when dp is split):
+and the ZeRO floors all read. It is the runtime's layout (``autopar.runtime.zero``,
+``autopar.runtime.offload``; tests/runtime/test_distributed_optimizer.py holds the two equal).
+Per parameter, in bytes, with AdamW (two fp32 moments), d the ranks the state is split over
+(``state_shards``) and g the 16-bit bytes a ZeRO-2/3 rank gathers:
 
-    configuration           weights            gradients   optimizer (AdamW)   host
-    ZeRO-0                  4 (1 + w)          4           8                   -
-    ZeRO-1                  4 (1 + w) + 4/d    4           8/d                 -
-    ZeRO-2, ZeRO-3          4/d (+ gathered)   4/d         8/d                 -
-    offload, ZeRO-0/1       4 max(w, 1)        4 max(w, 1) 0                   12 (ZeRO-1: 12/d)
-    offload, ZeRO-2/3       4/d (+ gathered)   4/d         0                   12/d
+    configuration                    weights        gradients     optimizer          host
+    fp32, ZeRO-0                     4              4             8                  -
+    fp32, ZeRO-1 (d = dp_shard)      4 + 4/d        4             8/d                -
+    16-bit, ZeRO-0                   2              4 (buffer)    12                 -
+    16-bit, ZeRO-1 (d = dp x cp)     2              4 (buffer)    12/d               -
+    ZeRO-2/3 (d = dp_shard)          4/d + gathered 4/d           8/d                -
+    offload, ZeRO-0/1                4 or 2         4 or 2        0                  12 (ZeRO-1: 12/d)
+    offload, ZeRO-2/3                4/d + gathered 4/d           0                  12/d
 
-So fp32 ZeRO-0 holds 16 bytes per parameter and bf16 18; ZeRO-1 keeps the fp32 slice it steps
-(``autopar.runtime.zero``) besides the whole weights. The gradients count once they outlive a
-backward (several microbatches accumulate them; with one they arrive during the backward, its
-transient). ZeRO-2/3 gather weights at the compute dtype (w, or 1 at fp32) on top: ZeRO-2 a
-stage's every unit, ZeRO-3 two units at a time and those kept gathered (``gathered_weights``).
+So fp32 ZeRO-0 holds 16 bytes per parameter and ZeRO-1 8 + 12/d: its fp32 slice beside the
+whole weights. At 16 bits (bf16 or fp16) ZeRO-0 and ZeRO-1 are Megatron-LM's distributed
+optimizer: 16-bit parameters, an fp32 gradient buffer, and the fp32 master weights with both
+moments (12 bytes) split over the d data-parallel ranks, 2 + 4 + 12/d (18 at ZeRO-0, as Megatron
+without its distributed optimizer); d is dp x cp (cp ranks train the same weights), dp_shard when
+dp is split (its replicas, cp ranks included, hold the same slice). ZeRO-2/3 keep the fp32 dp
+shard itself as the master (FSDP2's mixed precision: 16/d) and gather it at the compute dtype
+(g: 2 bytes per gathered parameter at 16 bits, 4 at fp32): ZeRO-2 a stage's every unit, ZeRO-3
+two units at a time and those kept gathered (``gathered_weights``). The gradients count once
+they outlive a backward (several microbatches accumulate them; with one they arrive during the
+backward, its transient), except the 16-bit buffer, which is held through the step.
 """
 from __future__ import annotations
 
@@ -42,19 +51,20 @@ aten = torch.ops.aten
 class StateBytes:
     """Bytes held per byte of a rank's local fp32 parameter shards (``state_bytes``)."""
 
-    weights: float          # on the device: the weights or their shard, the working copy, ZeRO-1's slice
-    grads: float            # the gradients (counted once they outlive a backward)
-    optimizer: float        # AdamW's two moments on the device
+    weights: float          # on the device: the weights or their shard (16-bit, fp32), ZeRO-1's fp32 slice
+    grads: float            # the gradients (counted once they outlive a backward, or always: ``buffered``)
+    optimizer: float        # on the device: AdamW's two moments, and at 16 bits the fp32 master
     host: float = 0.0       # offload: the fp32 master and the moments in host memory
     gathered: float = 0.0   # ZeRO-2/3: bytes per gathered weight byte (the compute dtype's)
+    buffered: bool = False  # the gradients live in a buffer held through the step (16 bits, below ZeRO-2)
 
 
 def state_bytes(zero: int, shards: int, working_copy: float, offload: bool = False) -> StateBytes:
     """The table of the module docstring: bytes held per local parameter byte under ``zero``, over
-    ``shards`` ranks (dp, or dp_shard), with a 16-bit working copy of ``working_copy`` bytes per
-    byte (``autopar.graph.precision.working_copy_ratio``) and the optimizer on the host with
-    ``offload`` (``autopar.runtime.offload``: at 16 bits the device keeps the 16-bit weights and
-    gradients alone). ZeRO-2/3 over one rank is ZeRO-0's."""
+    ``shards`` ranks (``state_shards``), at 16 bits where ``working_copy`` (the compute dtype's
+    bytes per stored byte, ``autopar.graph.precision.working_copy_ratio``) is not 0, with the
+    optimizer on the host with ``offload`` (``autopar.runtime.offload``: at 16 bits the device keeps
+    the 16-bit weights and gradients alone). ZeRO-2/3 over one rank is ZeRO-0's."""
     d = shards
     if zero >= 2 and d > 1:
         return StateBytes(1.0 / d, 1.0 / d, 0.0 if offload else 2.0 / d, 3.0 / d if offload else 0.0,
@@ -62,15 +72,27 @@ def state_bytes(zero: int, shards: int, working_copy: float, offload: bool = Fal
     if offload:
         held = working_copy or 1.0
         return StateBytes(held, held, 0.0, 3.0 / (d if zero else 1))
-    return StateBytes(1.0 + working_copy + (1.0 / d if zero == 1 else 0.0), 1.0, 2.0 / (d if zero else 1))
+    if working_copy:   # the distributed optimizer: 16-bit weights, fp32 buffer, master + moments over d
+        return StateBytes(working_copy, 1.0, 3.0 / (d if zero == 1 else 1), buffered=True)
+    return StateBytes(1.0 + (1.0 / d if zero == 1 else 0.0), 1.0, 2.0 / (d if zero else 1))
+
+
+def state_shards(mesh, zero: int, working_copy: float, offload: bool = False) -> int:
+    """The ranks ``state_bytes``' d counts for ``mesh`` under ``zero``: dp x cp for the 16-bit
+    distributed optimizer at ZeRO-1 over an unsplit dp (its slice is split over every
+    data-parallel rank), else dp_shard (ZeRO-1 at fp32 and ZeRO-2/3 shard over dp_shard; cp ranks
+    and a split dp's replicas hold the same shards)."""
+    if zero == 1 and working_copy and not offload and not mesh.split:
+        return mesh.dp_shard * mesh.cp
+    return mesh.dp_shard
 
 
 def state_bytes_per_param_byte(mesh, zero: int, working_copy: float = 0.0, offload: bool = False) -> float:
-    """Weights, gradients and optimizer state per parameter byte (``state_bytes``, over dp_shard):
-    what a layer unit's parameters hold when the gradients outlive a backward, as the stage DP
-    and the ILP's memory row price them; ZeRO-2 and 3's gathered weights are a stage's, not a
-    unit's (``param_state``)."""
-    per = state_bytes(zero, mesh.dp_shard, working_copy, offload)
+    """Weights, gradients and optimizer state per parameter byte (``state_bytes`` over
+    ``state_shards``): what a layer unit's parameters hold when the gradients outlive a backward,
+    as the stage DP and the ILP's memory row price them; ZeRO-2 and 3's gathered weights are a
+    stage's, not a unit's (``param_state``)."""
+    per = state_bytes(zero, state_shards(mesh, zero, working_copy, offload), working_copy, offload)
     return per.weights + per.grads + per.optimizer
 
 
@@ -80,10 +102,10 @@ def state_floor(param_bytes: float, mesh, zero: int, working_copy: float, microb
     parameter bytes at least one rank's shards add up to (full / tp): each parameter's local
     shard is at least 1/tp of it and the stages together hold every parameter, so the fullest of
     the ``stages`` holds at least 1/stages of it times the weights and optimizer state per byte
-    (``state_bytes``), and the gradients too with several microbatches (gathered weights,
-    activations and the transient are >= 0)."""
-    per = state_bytes(zero, mesh.dp_shard, working_copy)
-    held = per.grads if microbatches > 1 else 0.0
+    (``state_bytes``), and the gradients too with several microbatches or a gradient buffer
+    (gathered weights, activations and the transient are >= 0)."""
+    per = state_bytes(zero, state_shards(mesh, zero, working_copy), working_copy)
+    held = per.grads if microbatches > 1 or per.buffered else 0.0
     return param_bytes * (per.weights + per.optimizer + held) / stages
 
 
@@ -91,9 +113,9 @@ def param_state(cap, strategies, fqns, tp: int, dp: int, zero: int, working_copy
                 kept=()):
     """(weight bytes, gradient bytes, optimizer bytes) one rank holds on its device of the parameters
     ``fqns``: their local shards under ``strategies`` times ``state_bytes``' figures per byte
-    (``dp``: the ranks ZeRO shards over), and under ZeRO-2/3 the weights gathered at once at the
-    compute dtype on top: ZeRO-2 every unit's, from its forward to its backward; ZeRO-3 two units'
-    at a time (the one computing and the next, being gathered), the largest two, and those of the
+    (``dp``: the ranks the state is split over, ``state_shards``), and under ZeRO-2/3 the weights
+    gathered at once at the compute dtype on top: ZeRO-2 every unit's, from its forward to its
+    backward; ZeRO-3 two units' at a time (the one computing and the next, being gathered), the largest two, and those of the
     units in ``kept`` (a plan's ``keep_gathered``, by unit name) from their forward to their
     backward: ``gathered_weights``."""
     local = local_param_bytes(cap, strategies, fqns, tp)

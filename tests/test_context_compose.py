@@ -29,7 +29,8 @@ def _one(knobs: dict):
     grads = {k: v.float() for k, v in pm.full_grads().items()}
     graphs = [m.graph for m in pm.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
     attention = sum(1 for g in graphs for n in g.nodes if n.target is C.context_attention)
-    curve = pm_curve(pm, adamw_for(pm, "plain", LR), inputs, STEPS)
+    # 16-bit parameters: only pm.optimizer's optimizers step their fp32 masters
+    curve = pm_curve(pm, adamw_for(pm, "plain" if pm.plan.precision == "fp32" else "pm", LR), inputs, STEPS)
     return loss, grads, curve, attention, len(pm.plan.recompute_regions)
 
 

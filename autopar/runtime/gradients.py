@@ -11,7 +11,7 @@ import torch
 
 from autopar import collectives as C
 from autopar.placement import Shard, parse_placement
-from autopar.runtime.zero import clip_coefficient, scale_to_norm
+from autopar.runtime.zero import scale_to_norm
 
 
 def global_norm(sq: torch.Tensor, program) -> torch.Tensor:
@@ -24,41 +24,29 @@ def global_norm(sq: torch.Tensor, program) -> torch.Tensor:
     return sq.sum().sqrt()
 
 
-def grad_of(p: torch.nn.Parameter, master) -> torch.Tensor | None:
-    """``p``'s gradient: ``p.grad``, or with ``master`` (``WorkingWeights``) its working copy's (times the clip scale)."""
-    if master is None:
-        return p.grad
-    grad = master.grad_of(p)
-    return grad if grad is None or master.grad_scale == 1.0 else grad.float() * master.grad_scale
-
-
-def clip_grad_norm(program, params: dict[str, torch.nn.Parameter], master, max_norm: float) -> torch.Tensor:
-    """Scale the gradients of ``params`` (not ZeRO-1's: ``Zero1.clip_grad_norm_``) so their global
-    norm is at most ``max_norm``; return the norm before. With ``master`` the update scales them."""
+def clip_grad_norm(program, params: dict[str, torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale the gradients of ``params`` (not a flat slice's: ``Zero1.clip_grad_norm_``) so their
+    global norm is at most ``max_norm``; return the norm before."""
     sq = torch.zeros(2)
     for fqn, p in params.items():
-        grad = grad_of(p, master)
-        if grad is not None and program.owns(fqn):
-            sq[0 if program.params[fqn].sharded else 1] += grad.detach().float().pow(2).sum().cpu()
+        if p.grad is not None and program.owns(fqn):
+            sq[0 if program.params[fqn].sharded else 1] += p.grad.detach().float().pow(2).sum().cpu()
     if program.fsdp:   # each dp_shard rank holds its own rows; replicas the same
         sq = C.all_reduce(sq.to(program.device), program.groups.dp_shard).cpu()
     norm = global_norm(sq, program)
-    if master is not None:   # the update multiplies the gradients: no pass that rewrites them
-        master.grad_scale *= min(1.0, clip_coefficient(max_norm, norm))
-    else:
-        scale_to_norm([p.grad for p in params.values() if p.grad is not None], max_norm, norm)
+    scale_to_norm([p.grad for p in params.values() if p.grad is not None], max_norm, norm)
     return norm
 
 
 def zero1_grads(zero, params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
-    """ZeRO-1's gradients per parameter, shaped like ``params``: the flat dp slices' gradients,
-    all-gathered over dp."""
+    """The gradients per parameter of a flat slice's (``Zero1``), shaped like ``params``: the
+    slices' gradients, all-gathered over the ranks the slice is split over, in fp32."""
     if zero.shard.grad is None:
         raise RuntimeError("full_grads() needs gradients: run train_step first")
     with torch.no_grad():
-        flat = C.all_gather(zero.shard.grad.detach(), 0, zero.group, zero.size, zero.rank, zero.total, False)
+        flat = zero.gathered_slices(zero.shard.grad.detach())
     pieces = flat[:sum(zero.sizes)].split(zero.sizes)
-    return {fqn: piece.view_as(p).float() for (fqn, p), piece in zip(params.items(), pieces)}
+    return {fqn: piece.view(p.shape).float() for (fqn, p), piece in zip(params.items(), pieces)}
 
 
 def gathered(program, tensor_of) -> dict[str, torch.Tensor]:

@@ -26,8 +26,7 @@ second full fp32 copy for them.
 
 With bf16 the host copy is the master weight: the device parameters themselves become bf16 (no
 fp32 copy stays on the device), except those whose gradient the graph sums over tp (a replicated
-norm weight under sequence parallelism), which stay fp32 so that sum is not rounded, as
-``master_weights.WorkingWeights`` keeps them. The gradient copies start after the step's
+norm weight under sequence parallelism), which stay fp32 so that sum is not rounded. The gradient copies start after the step's
 backward and its dp sum, not during it: a compiled backward is one autograd node whose gradients
 all land at its end, so per-parameter hooks would overlap nothing there.
 

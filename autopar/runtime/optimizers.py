@@ -1,11 +1,12 @@
 """Optimizers over a rank's shards: the ones ``pm.optimizer`` builds, and the guard on all the others.
 
 ``build_optimizer`` makes ``cls`` for how the rank keeps its gradients and weights: over the
-shards themselves, ZeRO-1's flat dp slice, host masters (offload) or bf16 working copies
-(``MasterAdamW``). Where the gradients do not live on the parameters (ZeRO-1, offload, master
-weights) a torch optimizer built over ``pm.parameters()`` would step nothing: ``OptimizerGuard``
-sees every optimizer's step (torch.optim's global step pre-hook) and refuses those, and those
-that hold the parameters ``parallelize`` replaced.
+shards themselves (fp32, or ZeRO-2/3's dp shards), the flat slice of ZeRO-1 and of the 16-bit
+distributed optimizer (``runtime.zero``: fp32 masters beside 16-bit parameters), or host masters
+(offload). Where the gradients do not live on the parameters (that slice, offload) a torch
+optimizer built over ``pm.parameters()`` would step nothing, or step rounded 16-bit weights:
+``OptimizerGuard`` sees every optimizer's step (torch.optim's global step pre-hook) and refuses
+those, and those that hold the parameters ``parallelize`` replaced.
 """
 from __future__ import annotations
 
@@ -18,24 +19,19 @@ from autopar.runtime.master_weights import MasterAdamW
 from autopar.runtime.offload import offloaded_optimizer
 
 
-def build_optimizer(cls, groups, defaults: dict, *, params: dict[str, torch.nn.Parameter], zero, offload,
-                    working_weights):
+def build_optimizer(cls, groups, defaults: dict, *, params: dict[str, torch.nn.Parameter], zero, offload):
     """``cls`` over this rank's shards ``params``: ``groups`` as ``OptimizerGuard.groups`` checked
-    them (None: every shard), ``defaults`` its keyword options; ``zero`` (``Zero1``) and ``offload``
-    (``HostMasters``) the rank's, None without; ``working_weights()`` the bf16 copies
-    ``MasterAdamW`` writes."""
+    them (None: every shard), ``defaults`` its keyword options; ``zero`` (``Zero1``: ZeRO-1's or the
+    16-bit distributed optimizer's slice) and ``offload`` (``HostMasters``) the rank's, None without."""
     if offload is not None:
         if cls is MasterAdamW:
-            raise ValueError("offload='optimizer' already keeps the fp32 master weights (in host memory) and "
-                             "writes the device's working weights after each step; use "
-                             "pm.optimizer(torch.optim.AdamW, ...)")
+            raise ValueError("offload='optimizer' keeps the fp32 master weights in host memory and steps them with "
+                             "torch's CPU optimizer; use pm.optimizer(torch.optim.AdamW, ...)")
         return offloaded_optimizer(cls, offload, groups, defaults, zero=zero)
-    held = (list(params.values()) if groups is None else
-            [{**options, "params": [params[f] for f in fqns]} for fqns, options in groups])
-    if cls is MasterAdamW:
-        return MasterAdamW(held, working_weights(), **defaults)
     if zero is not None:
         return zero.make_optimizer(cls, groups, **defaults)
+    held = (list(params.values()) if groups is None else
+            [{**options, "params": [params[f] for f in fqns]} for fqns, options in groups])
     return cls(held, **defaults)
 
 
@@ -54,7 +50,7 @@ class OptimizerGuard:
     def install(self, owner, state) -> None:
         """Check every torch optimizer before its step, through torch.optim's global step pre-hook
         (the one way to see an optimizer that ``pm.optimizer`` did not build), against ``state(owner)``
-        (the owner's (zero, master, offload)). The hook holds ``owner`` weakly and is removed when
+        (the owner's (zero, offload)). The hook holds ``owner`` weakly and is removed when
         ``owner`` is collected."""
         ref = weakref.ref(owner)
 
@@ -69,9 +65,9 @@ class OptimizerGuard:
     def _was_replaced(self, p) -> bool:
         return (r := self.replaced.get(id(p))) is not None and r() is p
 
-    def check(self, optimizer: torch.optim.Optimizer, zero, master, offload) -> None:
+    def check(self, optimizer: torch.optim.Optimizer, zero, offload) -> None:
         """Raise if ``optimizer`` is about to step tensors whose gradients this rank never fills."""
-        seen = (sum(len(g["params"]) for g in optimizer.param_groups), zero is None, master is None, offload is None)
+        seen = (sum(len(g["params"]) for g in optimizer.param_groups), zero is None, offload is None)
         if self.passed.get(optimizer) == seen:
             return
         held = [p for group in optimizer.param_groups for p in group["params"]]
@@ -81,9 +77,7 @@ class OptimizerGuard:
                                "them with this rank's shards, and those get no gradients: build the optimizer "
                                "after parallelize, over pm.parameters() (the model's parameters are now the "
                                "same tensors), or with pm.optimizer(...)")
-        if ((zero is None and master is None and offload is None)
-                or (isinstance(optimizer, MasterAdamW) and optimizer.working is master)
-                or not any(id(p) in self.ids for p in held)):
+        if (zero is None and offload is None) or not any(id(p) in self.ids for p in held):
             self.passed[optimizer] = seen
             return
         if offload is not None:
@@ -91,14 +85,14 @@ class OptimizerGuard:
                                f"there, so {name} over pm.parameters() (the device's working weights) would offload "
                                f"nothing and, at 16 bits, update rounded weights; build it with "
                                f"pm.optimizer({name}, ...)")
-        if zero is not None:
-            raise RuntimeError(f"zero=1: train_step reduce-scatters the gradients into the dp shard that "
-                               f"pm.optimizer(...) steps and leaves p.grad of pm.parameters() None, so {name} "
-                               f"over them would never update them; build it with pm.optimizer({name}, ...)")
-        raise RuntimeError(f"with pm.optimizer(autopar.MasterAdamW) the gradients stay on the bf16 working "
-                           f"copies and p.grad of pm.parameters() stays None, so {name} over them would never "
-                           "update them; step only the MasterAdamW that pm.optimizer built, or parallelize a "
-                           "fresh model for another optimizer")
+        if zero.dtype is not None:
+            raise RuntimeError(f"at 16 bits the parameters are {str(zero.dtype).replace('torch.', '')} copies of fp32 "
+                               f"master weights that pm.optimizer(...) steps, and their gradients go to fp32 buffers "
+                               f"(p.grad stays None), so {name} over pm.parameters() would never update them; "
+                               f"build it with pm.optimizer({name}, ...)")
+        raise RuntimeError(f"zero=1: train_step reduce-scatters the gradients into the dp shard that "
+                           f"pm.optimizer(...) steps and leaves p.grad of pm.parameters() None, so {name} "
+                           f"over them would never update them; build it with pm.optimizer({name}, ...)")
 
     def groups(self, params) -> list[tuple[list[str], dict]] | None:
         """``pm.optimizer``'s ``params`` as (FQNs, options) per group, checked; None for every shard."""

@@ -13,19 +13,17 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from autopar.graph.precision import compute_dtype
 from autopar.passes.context_parallel import check_sequence
 from autopar.runtime import gradients, step
 from autopar.runtime.compiler import lower   # also importable from here, where it lived
 from autopar.runtime.lowering import Lowered, lower_program
-from autopar.runtime.master_weights import WorkingWeights
 from autopar.runtime.offload import HostMasters
 from autopar.runtime.optimizers import OptimizerGuard, build_optimizer
 from autopar.runtime.parameters import (adopt_shards, mark_static, materialize, rank_buffers,
                                         refuse_unsharded_call, summed_params)
 from autopar.runtime.precision import LossScaler, WorkingCopies
 from autopar.runtime.program import Program, program_for
-from autopar.runtime.zero import Zero1
+from autopar.runtime.zero import Zero1, zero1_layout
 
 __all__ = ["ParallelModel", "lower"]
 
@@ -46,18 +44,19 @@ class ParallelModel:
     the same sequences with the same weights) and complete (no partial sums) on every rank, and
     any torch optimizer over ``parameters()`` is correct, except where the gradients do not live
     on the parameters: with ``zero=1`` (they are reduce-scattered into the dp shard
-    that ``optimizer(...)`` steps) and once ``optimizer(MasterAdamW)`` is built (they stay on
-    the bf16 working copies). There any other optimizer stepping these parameters raises at its
-    ``step()``, naming ``pm.optimizer(...)``; so does one built over the model's parameters
+    that ``optimizer(...)`` steps) and at 16 bits (they go to fp32 buffers, for the fp32 masters
+    that ``optimizer(...)`` steps). There any other optimizer stepping these parameters raises at
+    its ``step()``, naming ``pm.optimizer(...)``; so does one built over the model's parameters
     before ``parallelize`` replaced them.
 
-    With ``plan.precision`` "bf16" or "fp16" the graph computes at 16 bits, on one working copy
-    of the weights per step, while parameters, gradients and optimizer state stay fp32 and
-    every gradient sum runs in fp32 (``autopar.runtime.precision``). With bf16, ``optimizer(MasterAdamW)``
-    keeps the fp32 weights in the optimizer and persistent bf16 copies in the graph, fusing the
-    casts into the update (``autopar.runtime.master_weights``). fp16 scales the loss
-    (``loss_scaler``); a step whose gradients overflow on any rank leaves every rank's
-    gradients None, so the optimizer skips it, and sets ``step_skipped``.
+    With ``plan.precision`` "bf16" or "fp16" the graph computes at 16 bits and every gradient sum
+    runs in fp32 (``autopar.runtime.precision``). Below ZeRO-2 and without offload the rank keeps
+    Megatron-LM's distributed-optimizer layout (``autopar.runtime.zero``): the parameters are
+    16-bit, their gradients accumulate in an fp32 buffer, and the fp32 master weights and
+    optimizer state are a flat slice, split over dp x cp with zero=1 (each ``train_step``'s
+    gradients replace the last's); ZeRO-2/3 keep fp32 dp shards, gathered at 16 bits. fp16
+    scales the loss (``loss_scaler``); a step whose gradients overflow on any rank leaves every
+    rank's gradients None, so the optimizer skips it, and sets ``step_skipped``.
 
     With ``plan.offload`` "optimizer" the fp32 master weights and the optimizer state live in
     host memory and ``optimizer(cls, ...)`` steps them on the CPU (``autopar.runtime.offload``);
@@ -81,17 +80,17 @@ class ParallelModel:
         # where Inductor fuses them into its own kernels, instead of ~2 eager kernels per weight per
         # step. With several microbatches the copies are made once per step and shared (``WorkingCopies``).
         self._casts = WorkingCopies(program.casts, names=cap.params)
-        self._master = None   # WorkingWeights, once optimizer(MasterAdamW) is asked for
         self.loss_scaler = LossScaler() if program.loss_scaling else None
         self.step_skipped = False
         self._params = materialize(model, program)
+        # ZeRO-1's slice, or at 16 bits the distributed optimizer's (which narrows the parameters
+        # before anything is lowered on them)
+        self._zero = (Zero1(self._params, {f for f, s in program.params.items() if s.sharded},
+                            norm=lambda sq: gradients.global_norm(sq, program), **zero1_layout(program),
+                            owned={f for f in program.params if program.owns(f)})
+                      if program.zero1 or program.main_grads else None)
         self._program = self._lower(program, cap)
         self._programs = {program.shapes: self._program}
-        self._zero = (Zero1(self._params, {f for f, s in program.params.items() if s.sharded},
-                            group=program.groups.dp_shard, size=self.mesh.dp_shard, rank=self.coords["dp_shard"],
-                            norm=lambda sq: gradients.global_norm(sq, program), replicate=program.groups.dp_replicate,
-                            replicas=program.replicas)
-                      if program.zero1 else None)
         self._offload = None   # HostMasters with plan.offload: what pm.optimizer's optimizers step on the host
         if program.offload:   # at 16 bits below ZeRO-1 the host copy is the master: the device keeps 16-bit weights
             self._offload = (HostMasters({"slice": self._zero.shard}) if self._zero is not None else
@@ -100,7 +99,7 @@ class ParallelModel:
         if program.cuda_graphs:   # replayed graphs read weights and buffers where they were recorded
             mark_static([*self._params.values(), *self._buffers.values()])
         self._guard = OptimizerGuard(self._params, adopt_shards(model, self._params, cap.params, program.device))
-        self._guard.install(self, lambda pm: (pm._zero, pm._master, pm._offload))
+        self._guard.install(self, lambda pm: (pm._zero, pm._offload))
         if not program.runs_whole:
             model.register_forward_pre_hook(refuse_unsharded_call)
 
@@ -128,25 +127,15 @@ class ParallelModel:
         (``lr=...``) apply where a group sets no option of its own. A 0-element parameter (a weight
         of a pipeline stage this rank does not run) is left out of its group; a tensor that is not
         one of this rank's parameters, or one in two groups, raises ValueError.
-        ``cls=autopar.MasterAdamW`` (bf16) also makes the graph compute on persistent bf16 copies
-        that the optimizer writes (``autopar.runtime.master_weights``). With ``plan.offload``
-        "optimizer" ``cls`` steps fp32 host copies of the shards on the CPU
-        (``autopar.runtime.offload``); under zero=1 each group steps its runs of the dp slice
+        ``cls=autopar.MasterAdamW`` runs AdamW's update as one fused kernel per tensor
+        (``autopar.runtime.master_weights``). At 16 bits (below ZeRO-2, without offload) ``cls``
+        steps the fp32 master weights, a flat slice split over dp x cp with zero=1, and the
+        parameters are rebuilt from them after each step (``autopar.runtime.zero``). With
+        ``plan.offload`` "optimizer" ``cls`` steps fp32 host copies of the shards on the CPU
+        (``autopar.runtime.offload``); on a slice each group steps its runs of it
         (``autopar.runtime.zero.SliceOptimizer``)."""
         return build_optimizer(cls, self._guard.groups(params), defaults, params=self._params, zero=self._zero,
-                               offload=self._offload, working_weights=self._working_weights)
-
-    def _working_weights(self) -> WorkingWeights:
-        why = self.program.master_weights_refused
-        if why:
-            raise ValueError(f"MasterAdamW needs one bf16 forward and backward per step on one stage; this plan has "
-                             f"{', '.join(why)}: use pm.optimizer(torch.optim.AdamW, ...)")
-        if self._master is None:
-            self._master = WorkingWeights(self._params, compute_dtype(self.plan.precision),
-                                          summed_params(self.graph_module))
-            if self.program.cuda_graphs:
-                mark_static(self._master.copies.values())
-        return self._master
+                               offload=self._offload)
 
     # ---- the step ------------------------------------------------------------------------
 
@@ -191,15 +180,14 @@ class ParallelModel:
         (``autopar.passes.token_mean``), as the unsharded model computes it."""
         m = self.plan.microbatches
         program, inputs = self._prepare(inputs)
-        if self._master is not None and (self._master.reduced is not None or self._master.grads()):
-            raise RuntimeError("MasterAdamW's gradients do not add up across train_step calls (they would "
-                               "in bf16): call opt.zero_grad() before each train_step, or use microbatches "
-                               "with torch.optim.AdamW to accumulate")
+        if self._zero is not None:
+            self._zero.begin_step()
         if self.program.cuda_graphs:   # the last step's graph outputs are consumed: their memory may be reused
             torch.compiler.cudagraph_mark_step_begin()
         with self._casts.step():
             if program.pipeline is not None:
-                total = program.pipeline.step(dict(zip(program.input_names, inputs)))
+                grads = self._zero.main_grads if self._zero is not None and self._zero.main is not None else None
+                total = program.pipeline.step(dict(zip(program.input_names, inputs)), grads=grads)
             else:
                 total = 0.0
                 for chunk in step.microbatches(inputs, m):
@@ -207,7 +195,7 @@ class ParallelModel:
                     (loss * self.loss_scale / m).backward()
                     total = total + loss.detach() / m
         total = step.data_mean(total, self.program)   # the ranks' losses average to the batch's
-        step.sync_gradients(self.program, self._params, self._zero, self._master)
+        step.sync_gradients(self.program, self._params, self._zero)
         if self.loss_scaler is not None:
             self._unscale_grads()
         return total
@@ -224,9 +212,7 @@ class ParallelModel:
     def _forward(self, program: Lowered, inputs) -> torch.Tensor:
         """One microbatch's forward through ``program`` (pp = 1): this rank's share of the loss."""
         args, it = [], iter(inputs)
-        if self._master is not None:
-            self._master.refresh()
-        params = self._master.copies if self._master is not None else self._params
+        params = self._params
         for kind, fqn in program.slots:
             args.append(self._casts(fqn, params[fqn]) if kind == "param"
                         else self._casts(fqn, self._buffers[fqn]) if kind == "buffer" else next(it))
@@ -279,7 +265,7 @@ class ParallelModel:
         """Scale gradients so their global norm (over every shard, each counted once) is <= max_norm."""
         if self._zero is not None:
             return self._zero.clip_grad_norm_(max_norm)
-        return gradients.clip_grad_norm(self.program, self._params, self._master, max_norm)
+        return gradients.clip_grad_norm(self.program, self._params, max_norm)
 
     def owns(self, fqn: str) -> bool:
         """Whether this pipeline rank counts ``fqn`` (a weight on several stages counts once: in
@@ -303,21 +289,26 @@ class ParallelModel:
 
     @property
     def zero(self) -> Zero1 | None:
-        """The ZeRO-1 state (the flat dp slice its optimizer steps), None without ZeRO."""
+        """The flat slice its optimizer steps (``runtime.zero.Zero1``): ZeRO-1's, or at 16 bits the
+        distributed optimizer's (fp32 masters and gradient buffers); None without either."""
         return self._zero
 
     def stored_weights(self) -> dict[str, torch.Tensor]:
         """Each local shard's weights at full precision, by FQN, shaped like ``named_parameters()``:
-        the parameters themselves, or with optimizer offload (below ZeRO-1) their fp32 masters in host
-        memory. What checkpoints save and load (and the tensors the offloaded optimizer holds)."""
-        masters = self._offload.masters if self._offload is not None and self._zero is None else {}
+        the parameters themselves; at 16 bits their fp32 masters (gathered from the slices:
+        collective, ``Zero1.master_weights``); with optimizer offload (below ZeRO-1) their fp32
+        masters in host memory."""
+        if self._zero is not None:
+            return dict(zip(self._params, self._zero.master_weights()))
+        masters = self._offload.masters if self._offload is not None else {}
         return {fqn: masters.get(fqn, p) for fqn, p in self._params.items()}
 
     def weights_loaded(self) -> None:
-        """Bring every copy of the weights up to date after ``stored_weights()`` were loaded in place
-        (a checkpoint): ZeRO-1's slice from the shards, the device weights from offloaded masters."""
+        """Bring every copy of the weights up to date after a checkpoint was loaded in place: the
+        parameters from the 16-bit path's master slice, ZeRO-1's fp32 slice from the shards, the
+        device weights from offloaded masters (``autopar.checkpoint``)."""
         if self._zero is not None:
-            self._zero.refresh_slice()   # and, with offload, the slice's master at the next step
+            self._zero.loaded()   # and, with offload, the slice's master at the next step
         elif self._offload is not None:
             self._offload.weights_in()
 
@@ -339,6 +330,6 @@ class ParallelModel:
         if self._zero is not None:
             grads = gradients.zero1_grads(self._zero, self._params)
             return gradients.gathered(self.program, grads.__getitem__)
-        if any(gradients.grad_of(p, self._master) is None for p in self._params.values() if p.requires_grad):
+        if any(p.grad is None for p in self._params.values() if p.requires_grad):
             raise RuntimeError("full_grads() needs gradients: run train_step first")
-        return gradients.gathered(self.program, lambda fqn: gradients.grad_of(self._params[fqn], self._master).float())
+        return gradients.gathered(self.program, lambda fqn: self._params[fqn].grad.float())

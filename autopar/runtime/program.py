@@ -137,12 +137,20 @@ class Program:
         return self.plan.zero == 3
 
     @property
+    def main_grads(self) -> bool:
+        """16 bits without offload or ZeRO-2/3 shards: Megatron-LM's layout (``runtime.zero``): the
+        parameters held at the compute dtype, fp32 gradient buffers, and the fp32 master weights and
+        optimizer state in a flat slice (split over dp x cp with zero=1)."""
+        return self.plan.precision != "fp32" and not self.offload and not self.fsdp
+
+    @property
     def casts(self) -> str:
         """The precision of the step's shared working copies (``runtime.precision.WorkingCopies``):
-        "fp32" (none) where the graph casts the weights itself, one microbatch on one stage, or
-        ZeRO-2/3 gathers them at the compute dtype."""
+        "fp32" (none) where the parameters are held at the compute dtype (``main_grads``), the graph
+        casts the weights itself (one microbatch on one stage), or ZeRO-2/3 gathers them at the
+        compute dtype."""
         in_graph = self.mesh.pp == 1 and self.plan.microbatches == 1
-        return "fp32" if in_graph or self.fsdp else self.plan.precision
+        return "fp32" if in_graph or self.fsdp or self.main_grads else self.plan.precision
 
     @property
     def loss_scaling(self) -> bool:
@@ -164,17 +172,6 @@ class Program:
     def cuda_graphs(self) -> bool:
         """Inductor replays CUDA graphs: weights and buffers are marked static."""
         return replays_cuda_graphs(self.compile)
-
-    @property
-    def master_weights_refused(self) -> list[str]:
-        """Why ``MasterAdamW`` (one bf16 forward and backward per step on one stage) cannot run this
-        program, one phrase per cause; empty when it can."""
-        plan, mesh = self.plan, self.mesh
-        return [what for what, bad in (
-            (f"precision={plan.precision!r} (it needs 'bf16')", plan.precision != "bf16"),
-            (f"pp={mesh.pp}", mesh.pp > 1),
-            (f"{plan.microbatches} microbatches (their gradients would add up in bf16)", plan.microbatches > 1),
-            (f"zero={plan.zero}", plan.zero and mesh.dp > 1)) if bad]
 
     @property
     def runs_whole(self) -> bool:

@@ -87,18 +87,14 @@ def data_mean(loss: torch.Tensor, program) -> torch.Tensor:
     return C.all_reduce(loss, program.groups.data) / program.mesh.data
 
 
-def sync_gradients(program, params: dict[str, torch.nn.Parameter], zero, master) -> None:
-    """After the step's backward: every gradient the mean over the data ranks. ZeRO-1's ``zero``
-    reduce-scatters them into its slice (at dp=1 too: the optimizer steps the slice, which only this
-    fills); ``master`` (MasterAdamW's working copies) averages its own; ZeRO-2/3's gathers' backward
-    already left every shard its mean."""
+def sync_gradients(program, params: dict[str, torch.nn.Parameter], zero) -> None:
+    """After the step's backward: every gradient the mean over the data ranks. A flat slice's
+    ``zero`` (ZeRO-1, the 16-bit distributed optimizer: ``runtime.zero``) reduces its own into its
+    slice (at dp=1 too: the optimizer steps the slice, which only this fills); ZeRO-2/3's gathers'
+    backward already left every shard its mean."""
     data = program.mesh.data
     if zero is not None:
         zero.reduce_scatter_grads()
-    elif data > 1 and master is not None:
-        grads = master.grads()
-        master.use_reduced(dict(zip(grads, all_reduce_mean(list(grads.values()), program.groups.data, data,
-                                                           program.device))))
     elif data > 1 and not program.fsdp:
         grads = [p.grad for p in params.values() if p.grad is not None]
         for g, mean in zip(grads, all_reduce_mean(grads, program.groups.data, data, program.device)):

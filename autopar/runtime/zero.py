@@ -1,49 +1,98 @@
-"""ZeRO: the optimizer's state (stage 1) sharded over the data-parallel axis.
+"""ZeRO-1 and the distributed optimizer: fp32 optimizer state (and at 16 bits the fp32 master
+weights) for a flat slice of a rank's shards, split over data-parallel ranks.
 
-Stage 1 keeps a flat copy of this rank's parameter shards, split evenly over dp: after backward
-the gradients are reduce-scattered (averaged) into this rank's slice, the optimizer updates the
-slice, and an all-gather rebuilds every local parameter. With a split dp (HSDP) the slices are
-dp_shard's: each reduce-scattered slice is all-reduced across the dp_replicate ranks that step the
-same slice before the mean over all of dp.
+Stage 1 keeps a flat copy of this rank's parameter shards, split evenly over the ranks it shards
+over (``d``): after backward the gradients are reduce-scattered (averaged) into this rank's slice,
+the optimizer updates the slice, and an all-gather rebuilds every local parameter. With a split
+dp (HSDP) the slices are dp_shard's: each reduce-scattered slice is all-reduced across the
+replicas that step the same slice before the mean over all of them.
+
+At 16 bits (``dtype``; ``Program.main_grads``) this is Megatron-LM's distributed optimizer, for
+zero=0 (d = 1) and zero=1 alike:
+
+    parameters     the local shards themselves, narrowed to ``dtype`` (2 bytes per parameter):
+                   what the graph computes with, no other copy of the weights on the device
+    main gradients one flat fp32 buffer over the shards (4 bytes); each parameter's 16-bit
+                   gradient is added into its view of it as autograd accumulates it (a
+                   post-accumulate-grad hook) and dropped, so microbatches and pipeline stages
+                   add up in fp32; zeroed when a step begins (``begin_step``)
+    master, moments the fp32 slice ``shard`` (this rank's 1/d of the flat weights) and the
+                   optimizer's state over it (12/d bytes with AdamW)
+
+After backward the buffer is reduce-scattered (averaged) over the d ranks, the result written
+into the buffer's own slice, which is the master's gradient (no other copy). After the update the
+master slice is rounded to ``dtype`` and all-gathered into the parameters. d is dp x cp for
+zero=1 (cp ranks train the same weights on other tokens), dp_shard with a split dp (its
+replicas, cp ranks included, sum the slice), and 1 for zero=0, whose gradient buffer is
+all-reduced over dp x cp. A parameter changed other than by the step (an edit under
+``torch.no_grad``) bumps its version counter and is copied into the master before the next update.
 
 Parameter groups (``pm.optimizer(cls, [{"params": ..., "weight_decay": 0.0}, ...])``) keep that one
 flat slice: each maximal run of it that one group's parameters fill is stepped as a view of the
-slice, in that group (``SliceOptimizer``), so the optimizer state is still 1/dp of it and a slice
+slice, in that group (``SliceOptimizer``), so the optimizer state is still 1/d of it and a slice
 element of a parameter in no group is never stepped.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from autopar import collectives as C
+from autopar.graph.precision import compute_dtype
 
 
 class Zero1:
-    """ZeRO stage 1: each dp rank keeps optimizer state for 1/dp of a flat copy of the shards.
+    """ZeRO-1 (and at 16 bits the distributed optimizer): optimizer state for this rank's 1/``size``
+    of a flat copy of the shards (see the module docstring).
 
-    After backward the gradients are reduce-scattered (averaged) into this rank's slice;
-    the optimizer updates that slice; an all-gather rebuilds every local parameter.
-    ``params``: this rank's shards by FQN; ``sharded``: the FQNs split over tp (their squares
-    are summed over tp in the norm); ``norm(sq)``: the global norm from [sharded, replicated]
-    sums of squares over this dp rank's slice, reduced over tp and pp. ``group``, ``size``, ``rank``:
-    the ranks the state is split over (dp, or dp_shard with a split dp); ``replicate``: with a split
-    dp, the group of the ``replicas`` that hold the same slice."""
+    ``params``: this rank's shards by FQN; ``sharded``: the FQNs split over tp (their squares are
+    summed over tp in the norm); ``owned``: those whose squares this rank counts (a weight on several
+    pipeline stages counts on one; default all); ``norm(sq)``: the global norm from [sharded, replicated] sums of
+    squares over this rank's slice, reduced over tp and pp. ``group``, ``size``, ``rank``: the
+    ranks the state is split over (None, 1, 0: not split); ``replicate``: the group of the
+    ``replicas`` that hold the same slice, whose gradients are summed with this rank's. ``dtype``:
+    the 16-bit dtype the parameters are narrowed to, with fp32 gradient buffers and the fp32 master
+    in ``shard`` (None: fp32 parameters, their own ``.grad``, and ``shard`` a copy of the slice)."""
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], sharded: set[str], *, group: str, size: int,
-                 rank: int, norm, replicate: str | None = None, replicas: int = 1):
+    def __init__(self, params: dict[str, torch.nn.Parameter], sharded: set[str], *, group: str | None, size: int,
+                 rank: int, norm, replicate: str | None = None, replicas: int = 1, dtype: torch.dtype | None = None,
+                 owned: set[str] | None = None):
         self.params = list(params.values())
         self.fqns = list(params)
         self.group, self.size, self.rank, self.norm = group, size, rank, norm
-        self.replicate, self.replicas = replicate, replicas
+        self.replicate, self.replicas, self.dtype = replicate, replicas, dtype
         self.sizes = [p.numel() for p in self.params]
         n, dp = sum(self.sizes), size
         self.chunk = -(-n // dp)
         self.total = self.chunk * dp
         self.lo = rank * self.chunk
-        mask = torch.cat([torch.full((p.numel(),), float(f in sharded))
-                          for f, p in params.items()] + [torch.zeros(self.total - n)])
-        self.sharded_mask = mask[self.lo:self.lo + self.chunk]
-        self.shard = torch.nn.Parameter(self._flat(self.params)[self.lo:self.lo + self.chunk].clone())
+        # (start, stop, 0 for a tp shard else 1) of each parameter's run of the slice that the norm
+        # counts: runs, not per-element masks, which would hold 4 more bytes per slice element each
+        self._norm_runs = []
+        for f, at, k in zip(self.fqns, self.offsets, self.sizes):
+            a, b = max(at, self.lo) - self.lo, min(at + k, self.lo + self.chunk) - self.lo
+            if a < b and (owned is None or f in owned):
+                self._norm_runs.append((a, b, int(f not in sharded)))
+        flat = self._flat(self.params)
+        self.shard = torch.nn.Parameter(flat[self.lo:self.lo + self.chunk].to(torch.float32, copy=True))
+        del flat
+        self.main: torch.Tensor | None = None   # the fp32 gradient buffer (16 bits)
+        self.main_grads: dict[str, torch.Tensor] = {}
+        if dtype is not None:
+            self._distribute(params, dtype)
+
+    def _distribute(self, params: dict[str, torch.nn.Parameter], dtype: torch.dtype) -> None:
+        """The 16-bit layout: parameters narrowed, one fp32 gradient buffer, the hooks that fill it."""
+        device = self.shard.device
+        self.main = torch.zeros(self.total, dtype=torch.float32, device=device)
+        for (fqn, p), piece in zip(params.items(), self.main[:sum(self.sizes)].split(self.sizes)):
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+            self.main_grads[fqn] = piece.view(p.shape)
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(functools.partial(_accumulate, piece.view(p.shape)))
+        self._versions = [p._version for p in self.params]
 
     def _flat(self, tensors):
         flat = tensors[0].new_zeros(self.total)   # one buffer, zero past the end: no padded second copy
@@ -73,33 +122,91 @@ class Zero1:
                 runs.append((k, a, b))
         return SliceOptimizer(flat, sorted(runs), [options for _, options in groups], group_of, make)
 
+    def begin_step(self) -> None:
+        """Before a step's first backward: the fp32 gradient buffer zeroed (16 bits; each step's
+        gradients replace the last's, as the slice's always have)."""
+        if self.main is not None:
+            self.main.zero_()
+
     def reduce_scatter_grads(self):
+        """After the step's backward: this rank's slice of the gradients' mean over the ranks it
+        shards over and its replicas, as ``shard.grad`` (at 16 bits the gradient buffer's own slice,
+        reduced in place: no other copy)."""
+        n = self.size * self.replicas
+        if self.main is not None:
+            mine = self.main[self.lo:self.lo + self.chunk]
+            if self.size > 1:
+                mine.copy_(C.reduce_scatter(self.main, 0, self.group, self.size))
+            if self.replicate is not None:   # the replicas' sum of the same slice
+                C.all_reduce_mean_(mine, self.replicate, n)
+            elif n > 1:
+                mine.div_(n)
+            self.shard.grad = mine
+            return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = self._flat(grads)
-        grad = C.reduce_scatter(flat, 0, self.group, self.size)
-        if self.replicate is not None:   # the replicas' sum of the same slice
+        grad = C.reduce_scatter(flat, 0, self.group, self.size) if self.size > 1 else flat
+        if self.replicate is not None:
             grad = C.all_reduce(grad, self.replicate)
-        self.shard.grad = grad / (self.size * self.replicas)
+        self.shard.grad = grad / n
         for p in self.params:
             p.grad = None   # the full gradients are not kept: that is ZeRO's saving
 
     def clip_grad_norm_(self, max_norm):
         # no gradient: an fp16 step dropped on overflow, whose norm is 0
         grad = self.shard.grad if self.shard.grad is not None else torch.zeros_like(self.shard)
-        g = grad.float()
-        sq = torch.stack([(g.pow(2) * self.sharded_mask).sum(), (g.pow(2) * (1 - self.sharded_mask)).sum()])
-        sq = C.all_reduce(sq, self.group)
+        sq = torch.zeros(2, device=grad.device)
+        for a, b, kind in self._norm_runs:
+            sq[kind] += grad[a:b].float().pow(2).sum()
+        if self.size > 1:
+            sq = C.all_reduce(sq, self.group)
         norm = self.norm(sq)
         scale_to_norm([grad], max_norm, norm)
         return norm
 
+    def gathered_slices(self, slice_: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``slice_`` (this rank's part of a flat vector), whole again: the flat vector."""
+        if self.size == 1:
+            return slice_
+        return C.all_gather(slice_, 0, self.group, self.size, self.rank, self.total, False)
+
     def all_gather_params(self):
+        """Every local shard rebuilt from the slices (at 16 bits: the masters rounded to ``dtype``)."""
         with torch.no_grad():
-            flat = C.all_gather(self.shard.detach(), 0, self.group, self.size, self.rank,
-                                self.total, False)
+            mine = self.shard.detach() if self.dtype is None else self.shard.detach().to(self.dtype)
+            flat = self.gathered_slices(mine)
             for p, piece in zip(self.params, flat[:sum(self.sizes)].split(self.sizes)):
                 p.copy_(piece.view_as(p))
+        if self.dtype is not None:
+            self._versions = [p._version for p in self.params]
 
+    def pull_changed(self) -> None:
+        """At 16 bits: the master slice's part of every parameter changed since the last all-gather
+        (an edit under ``torch.no_grad``), copied from it."""
+        if self.dtype is None:
+            return
+        changed = [k for k, p in enumerate(self.params) if p._version != self._versions[k]]
+        self._refresh(changed)
+        for k in changed:
+            self._versions[k] = self.params[k]._version
+
+    def master_weights(self) -> list[torch.Tensor]:
+        """At 16 bits, each local shard's fp32 master, shaped like it (gathered over the ranks the
+        slice is split over: collective); at fp32 the shards themselves."""
+        if self.dtype is None:
+            return list(self.params)
+        self.pull_changed()
+        with torch.no_grad():
+            flat = self.gathered_slices(self.shard.detach())
+        return [piece.view(p.shape) for p, piece in zip(self.params, flat[:sum(self.sizes)].split(self.sizes))]
+
+    def loaded(self) -> None:
+        """After a checkpoint load: at 16 bits the master slice was loaded, and the parameters are
+        rebuilt from it; at fp32 the shards were, and the slice is copied from them."""
+        if self.dtype is not None:
+            self.all_gather_params()
+        else:
+            self.refresh_slice()
 
     @property
     def offsets(self) -> list[int]:
@@ -112,12 +219,37 @@ class Zero1:
 
     def refresh_slice(self) -> None:
         """This rank's slice (what the optimizer steps) copied from the local shards, after they were loaded."""
-        hi = self.lo + self.chunk
+        self._refresh(range(len(self.params)))
+
+    def _refresh(self, which) -> None:
+        hi, offsets = self.lo + self.chunk, self.offsets
         with torch.no_grad():
-            for p, at in zip(self.params, self.offsets):
+            for k in which:
+                p, at = self.params[k], offsets[k]
                 a, b = max(at, self.lo), min(at + p.numel(), hi)
                 if a < b:
                     self.shard[a - self.lo:b - self.lo].copy_(p.detach().reshape(-1)[a - at:b - at])
+
+
+def _accumulate(main: torch.Tensor, p: torch.Tensor) -> None:
+    """A post-accumulate-grad hook: ``p``'s 16-bit gradient added into its fp32 buffer ``main``, then dropped."""
+    main.add_(p.grad)
+    p.grad = None
+
+
+def zero1_layout(program) -> dict:
+    """``Zero1``'s keyword arguments for a rank's ``runtime.program.Program`` that keeps a flat
+    slice (``program.zero1`` or ``program.main_grads``): the group its slice is split over and the
+    replicas summed with it (module docstring), and its 16-bit ``dtype`` (None at fp32)."""
+    mesh, groups, coords = program.mesh, program.groups, program.coords
+    dtype = compute_dtype(program.plan.precision) if program.main_grads else None
+    if program.zero1 and (dtype is None or mesh.split):   # over dp_shard; replicas and cp ranks summed
+        return dict(group=groups.dp_shard, size=mesh.dp_shard, rank=coords["dp_shard"],
+                    replicate=groups.dp_replicate, replicas=program.replicas, dtype=dtype)
+    if program.zero1:   # Megatron's distributed optimizer: over every data-parallel rank, cp included
+        return dict(group=groups.data, size=mesh.data, rank=coords["dp"] * mesh.cp + coords["cp"], dtype=dtype)
+    return dict(group=None, size=1, rank=0, replicate=groups.data if mesh.data > 1 else None,
+                replicas=mesh.data, dtype=dtype)
 
 
 def clip_coefficient(max_norm, norm) -> float:
@@ -180,7 +312,9 @@ class Zero1Optimizer:
         self.param_groups = self.inner.param_groups
 
     def step(self, closure=None):
-        """The slice's update, then the all-gather that rebuilds every local shard."""
+        """The slice's update (after any edit of the 16-bit parameters is taken into the master),
+        then the all-gather that rebuilds every local shard."""
+        self.zero.pull_changed()
         loss = self.sliced.step(closure)
         self.zero.all_gather_params()
         return loss

@@ -110,8 +110,9 @@ def test_an_interleaved_plans_peak_is_its_ranks():
 
 @pytest.mark.parametrize("zero, shards, w, offload, per_param", [
     (0, 1, 0.0, False, (4, 4, 8, 0)),            # fp32: 16 bytes per parameter
-    (0, 1, 0.5, False, (6, 4, 8, 0)),            # bf16: the working copy's 2 more
-    (1, 4, 0.5, False, (7, 4, 2, 0)),            # ZeRO-1: the moments and the stepped fp32 slice over d
+    (1, 4, 0.0, False, (5, 4, 2, 0)),            # fp32 ZeRO-1: the moments and the stepped fp32 slice over d
+    (0, 1, 0.5, False, (2, 4, 12, 0)),           # bf16: 16-bit weights, fp32 gradient buffer, master + moments
+    (1, 4, 0.5, False, (2, 4, 3, 0)),            # bf16 ZeRO-1: Megatron's 2 + 4 + 12/d
     (2, 4, 0.5, False, (1, 1, 2, 0)),            # ZeRO-2/3: all of it over d (gathered weights apart)
     (0, 1, 0.5, True, (2, 2, 0, 12)),            # offload: 16-bit weights and gradients on the device
     (3, 4, 0.0, True, (1, 1, 0, 3)),
