@@ -1,22 +1,19 @@
-"""Mixed precision: 16-bit compute on fp32 master weights, fp32 reductions, dynamic loss scaling.
+"""Mixed precision: 16-bit compute, fp32 reductions, dynamic loss scaling.
 
-``precision="bf16"`` or ``"fp16"`` runs the forward and backward at 16 bits while every parameter,
-gradient and optimizer state stays fp32:
+``precision="bf16"`` or ``"fp16"`` runs the forward and backward at 16 bits. What a rank holds
+for its weights is ``autopar.runtime.zero``'s: below ZeRO-2 and without offload the parameters
+themselves are 16-bit (the graph computes on them: no working copy), their gradients are summed
+in an fp32 buffer and the fp32 master weights and optimizer state are a flat slice the optimizer
+steps (Megatron-LM's distributed optimizer); ZeRO-2/3 gather their fp32 dp shards at 16 bits in
+the graph. Where the weights a rank computes with are still fp32 (optimizer offload under ZeRO-1,
+whose device parameters the host slice is copied into), they are cast per step:
 
-- One 16-bit working copy per step. With one microbatch on one pipeline stage the weights enter
-  the compiled graph at fp32 and ``precision_pass`` casts them there, where Inductor fuses the
-  casts into its kernels (on an H200, autopar went from 0.988-0.996x of plain torch.compile's
-  speed with eager casts to 1.013-1.029x). With several microbatches, or a pipeline,
-  ``WorkingCopies`` casts each parameter once, when the step's first microbatch needs it, and later microbatches use that
-  copy: a cast in the graph would run once per microbatch, and autograd (eager, and
-  AOTAutograd's partitioners alike) keeps its 16-bit output for the matmul's backward, so every
-  microbatch in flight would hold its own copy of the weights (p copies on the first stage of a
-  1F1B pipeline). Shared, the copy costs 2 bytes per parameter for the step (as Megatron-LM's
-  16-bit model next to its fp32 main parameters) and one pass over the weights. Either way the
-  cast is part of autograd, so the 16-bit weight gradients flow back through it into the fp32
-  ``.grad``: accumulation over microbatches, the dp all-reduce or ZeRO-1 reduce-scatter and the
-  sum of a weight tied across pipeline stages all run in fp32, and any torch optimizer steps
-  the fp32 parameters ``ParallelModel.parameters()`` returns.
+- With one microbatch on one stage the weights enter the compiled graph and ``precision_pass``
+  casts them there, where Inductor fuses the casts into its kernels (a cast of a 16-bit parameter
+  is none). With several microbatches, or a pipeline, ``WorkingCopies`` casts each parameter
+  once, when the step's first microbatch needs it, and later microbatches use that copy: a cast
+  in the graph would run once per microbatch, and autograd keeps its 16-bit output for the
+  matmul's backward, so every microbatch in flight would hold its own copy of the weights.
 
 - Inside the graph (``precision_pass``, in ``autopar.passes.precision`` with the other graph
   pieces of this recipe): floating inputs and buffers are cast to the compute dtype
@@ -30,8 +27,7 @@ gradient and optimizer state stays fp32:
 - The cost model sees the compute dtype. ``retype_pass`` re-propagates the tensor metadata of a
   copy of the captured graph (the capture itself stays as traced) with 16-bit placeholders, so
   compute is priced at the device's bf16/fp16 peak, activations, all-gathers and pipeline sends
-  at 2 bytes per element, while parameters, gradients and optimizer state keep their fp32 bytes,
-  plus the working copy (``working_copy_ratio``).
+  at 2 bytes per element; what the parameters hold is ``cost_model.state``'s table.
 
 - fp16's range is narrow, so its loss is scaled (``LossScaler``: Megatron-LM's dynamic recipe).
 """
