@@ -74,9 +74,12 @@ class Zero1:
             a, b = max(at, self.lo) - self.lo, min(at + k, self.lo + self.chunk) - self.lo
             if a < b and (owned is None or f in owned):
                 self._norm_runs.append((a, b, int(f not in sharded)))
-        flat = self._flat(self.params)
-        self.shard = torch.nn.Parameter(flat[self.lo:self.lo + self.chunk].to(torch.float32, copy=True))
-        del flat
+        # copied from the shards part by part: no flat copy of every weight, even for a moment (fp32
+        # at 16 bits, the master; else the shards' own dtype, as their gradients are)
+        first = self.params[0]
+        self.shard = torch.nn.Parameter(torch.zeros(self.chunk, dtype=first.dtype if dtype is None else torch.float32,
+                                                    device=first.device))
+        self.refresh_slice()
         self.main: torch.Tensor | None = None   # the fp32 gradient buffer (16 bits)
         self.main_grads: dict[str, torch.Tensor] = {}
         if dtype is not None:
