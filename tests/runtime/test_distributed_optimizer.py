@@ -36,11 +36,19 @@ CASES = {
     # four ranks: the slice over dp beside a pipeline (the tied embedding on both stages), and over dp x cp
     "dp2-pp2-zero1-m2": ((2, 2, 1), dict(zero=1, microbatches=2)),
     "dp2-cp2-zero1": ({"dp": 2, "cp": 2}, dict(zero=1, device="cpu")),
+    # a split dp (HSDP): the slice over dp_shard, its replicas summing it
+    "hsdp-zero1": ({"dp_replicate": 2, "dp_shard": 2}, dict(zero=1)),
 }
 
 
+def _mesh(mesh) -> Mesh:
+    if isinstance(mesh, dict) and "dp_shard" in mesh:
+        return Mesh(dp=mesh["dp_replicate"] * mesh["dp_shard"], dp_replicate=mesh["dp_replicate"])
+    return Mesh(**mesh) if isinstance(mesh, dict) else Mesh(*mesh)
+
+
 def _world(mesh) -> int:
-    return (Mesh(**mesh) if isinstance(mesh, dict) else Mesh(*mesh)).world_size
+    return _mesh(mesh).world_size
 
 
 def unsharded_16bit(steps: int = STEPS, microbatches: int = 1, dtype=torch.bfloat16):
@@ -165,9 +173,11 @@ def test_a_rank_holds_what_the_cost_model_counts(name):
             continue
         assert params == [dtype] and buffers == ("torch.float32", "torch.float32") and held["buffered"]
         assert state == ["torch.float32"]
-        # zero=1 splits the master and moments over every data-parallel rank, dp x cp; zero=0 keeps them whole
+        # zero=1 splits the master and moments over every data-parallel rank, dp x cp (a split dp's
+        # dp_shard); zero=0 keeps them whole
         d = held["shards"] if knobs.get("zero") == 1 else 1
-        assert d == (Mesh(**mesh) if isinstance(mesh, dict) else Mesh(*mesh)).data or knobs.get("zero") != 1, d
+        layout = _mesh(mesh)
+        assert d == (layout.dp_shard if layout.split else layout.data) or knobs.get("zero") != 1, d
         for got, want in zip(held["runtime"], held["model"]):
             assert abs(got - want) <= 16 * d, f"rank {rank}: {held['runtime']} vs {held['model']}"
         if held["plan"] is not None:
