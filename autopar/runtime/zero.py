@@ -47,9 +47,10 @@ class Zero1:
     of a flat copy of the shards (see the module docstring).
 
     ``params``: this rank's shards by FQN; ``sharded``: the FQNs split over tp (their squares are
-    summed over tp in the norm); ``owned``: those whose squares this rank counts (a weight on several
-    pipeline stages counts on one; default all); ``norm(sq)``: the global norm from [sharded, replicated] sums of
-    squares over this rank's slice, reduced over tp and pp. ``group``, ``size``, ``rank``: the
+    summed over tp in the norm); ``owned``: those whose squares this rank counts (a weight on
+    several pipeline stages counts on one; default all); ``norm(sq)``: the global norm from
+    [sharded, replicated] sums of squares over this rank's slice, reduced over tp and pp.
+    ``group``, ``size``, ``rank``: the
     ranks the state is split over (None, 1, 0: not split); ``replicate``: the group of the
     ``replicas`` that hold the same slice, whose gradients are summed with this rank's. ``dtype``:
     the 16-bit dtype the parameters are narrowed to, with fp32 gradient buffers and the fp32 master
@@ -87,8 +88,7 @@ class Zero1:
 
     def _distribute(self, params: dict[str, torch.nn.Parameter], dtype: torch.dtype) -> None:
         """The 16-bit layout: parameters narrowed, one fp32 gradient buffer, the hooks that fill it."""
-        device = self.shard.device
-        self.main = torch.zeros(self.total, dtype=torch.float32, device=device)
+        self.main = torch.zeros(self.total, dtype=torch.float32, device=self.shard.device)
         for (fqn, p), piece in zip(params.items(), self.main[:sum(self.sizes)].split(self.sizes)):
             if p.is_floating_point():
                 p.data = p.data.to(dtype)
