@@ -123,10 +123,9 @@ class Pipeline:
         if grads is not None:
             for f, g in grads.items():
                 g.div_(self.plan.microbatches)
-                p = self.params[f]
-                if p.grad is not None:   # a zero-bubble schedule's weight pass sums (and divides) p.grad itself
-                    g.add_(p.grad)
-                    p.grad = None
+                # a zero-bubble schedule's weight pass also sums into p.grad, at 16 bits: the buffer
+                # took each of its gradients as it was computed
+                self.params[f].grad = None
         for f in self.shared:   # a weight on several stages: its gradient is the sum over them
             p = self.params.get(f)
             g = grads.get(f) if grads is not None else p.grad if p is not None else None

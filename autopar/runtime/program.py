@@ -144,6 +144,12 @@ class Program:
         return self.plan.precision != "fp32" and not self.offload and not self.fsdp
 
     @property
+    def splits_backward(self) -> bool:
+        """A zero-bubble pipeline schedule: weight gradients are computed in a pass of their own
+        (torch.distributed.pipelining's, which writes ``p.grad`` without autograd's accumulation)."""
+        return self.mesh.pp > 1 and self.plan.schedule == "InterleavedZeroBubble"
+
+    @property
     def casts(self) -> str:
         """The precision of the step's shared working copies (``runtime.precision.WorkingCopies``):
         "fp32" (none) where the parameters are held at the compute dtype (``main_grads``), the graph

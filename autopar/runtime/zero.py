@@ -14,8 +14,9 @@ zero=0 (d = 1) and zero=1 alike:
                    what the graph computes with, no other copy of the weights on the device
     main gradients one flat fp32 buffer over the shards (4 bytes); each parameter's 16-bit
                    gradient is added into its view of it as autograd accumulates it (a
-                   post-accumulate-grad hook) and dropped, so microbatches and pipeline stages
-                   add up in fp32; zeroed when a step begins (``begin_step``)
+                   post-accumulate-grad hook; under a zero-bubble schedule, whose weight pass
+                   writes ``p.grad`` itself, a tensor hook as it is computed) and dropped, so
+                   microbatches and pipeline stages add up in fp32; zeroed when a step begins
     master, moments the fp32 slice ``shard`` (this rank's 1/d of the flat weights) and the
                    optimizer's state over it (12/d bytes with AdamW)
 
@@ -54,15 +55,17 @@ class Zero1:
     ranks the state is split over (None, 1, 0: not split); ``replicate``: the group of the
     ``replicas`` that hold the same slice, whose gradients are summed with this rank's. ``dtype``:
     the 16-bit dtype the parameters are narrowed to, with fp32 gradient buffers and the fp32 master
-    in ``shard`` (None: fp32 parameters, their own ``.grad``, and ``shard`` a copy of the slice)."""
+    in ``shard`` (None: fp32 parameters, their own ``.grad``, and ``shard`` a copy of the slice).
+    ``weight_pass``: the backward computes weight gradients apart (a zero-bubble schedule, whose
+    weight pass writes ``p.grad`` itself): they are taken into the buffer as they are computed."""
 
     def __init__(self, params: dict[str, torch.nn.Parameter], sharded: set[str], *, group: str | None, size: int,
                  rank: int, norm, replicate: str | None = None, replicas: int = 1, dtype: torch.dtype | None = None,
-                 owned: set[str] | None = None):
+                 owned: set[str] | None = None, weight_pass: bool = False):
         self.params = list(params.values())
         self.fqns = list(params)
         self.group, self.size, self.rank, self.norm = group, size, rank, norm
-        self.replicate, self.replicas, self.dtype = replicate, replicas, dtype
+        self.replicate, self.replicas, self.dtype, self.weight_pass = replicate, replicas, dtype, weight_pass
         self.sizes = [p.numel() for p in self.params]
         n, dp = sum(self.sizes), size
         self.chunk = -(-n // dp)
@@ -94,7 +97,10 @@ class Zero1:
                 p.data = p.data.to(dtype)
             self.main_grads[fqn] = piece.view(p.shape)
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(functools.partial(_accumulate, piece.view(p.shape)))
+                # as autograd accumulates it (after any hook of the user's), or for a weight pass
+                # outside the accumulation, as it is computed
+                p.register_hook(functools.partial(self._computed, piece.view(p.shape)))
+                p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, piece.view(p.shape)))
         self._versions = [p._version for p in self.params]
 
     def _flat(self, tensors):
@@ -124,6 +130,18 @@ class Zero1:
             else:
                 runs.append((k, a, b))
         return SliceOptimizer(flat, sorted(runs), [options for _, options in groups], group_of, make)
+
+    def _computed(self, main: torch.Tensor, grad: torch.Tensor) -> None:
+        """A tensor hook: with ``weight_pass``, a 16-bit gradient added into its fp32 buffer ``main``."""
+        if self.weight_pass:
+            main.add_(grad)
+
+    def _accumulated(self, main: torch.Tensor, p: torch.Tensor) -> None:
+        """A post-accumulate-grad hook: ``p``'s 16-bit gradient added into its fp32 buffer ``main``
+        (unless ``_computed`` took it), then dropped."""
+        if not self.weight_pass:
+            main.add_(p.grad)
+        p.grad = None
 
     def begin_step(self) -> None:
         """Before a step's first backward: the fp32 gradient buffer zeroed (16 bits; each step's
@@ -234,10 +252,6 @@ class Zero1:
                     self.shard[a - self.lo:b - self.lo].copy_(p.detach().reshape(-1)[a - at:b - at])
 
 
-def _accumulate(main: torch.Tensor, p: torch.Tensor) -> None:
-    """A post-accumulate-grad hook: ``p``'s 16-bit gradient added into its fp32 buffer ``main``, then dropped."""
-    main.add_(p.grad)
-    p.grad = None
 
 
 def zero1_layout(program) -> dict:
@@ -248,11 +262,13 @@ def zero1_layout(program) -> dict:
     dtype = compute_dtype(program.plan.precision) if program.main_grads else None
     if program.zero1 and (dtype is None or mesh.split):   # over dp_shard; replicas and cp ranks summed
         return dict(group=groups.dp_shard, size=mesh.dp_shard, rank=coords["dp_shard"],
-                    replicate=groups.dp_replicate, replicas=program.replicas, dtype=dtype)
+                    replicate=groups.dp_replicate, replicas=program.replicas, dtype=dtype,
+                    weight_pass=program.splits_backward)
     if program.zero1:   # Megatron's distributed optimizer: over every data-parallel rank, cp included
-        return dict(group=groups.data, size=mesh.data, rank=coords["dp"] * mesh.cp + coords["cp"], dtype=dtype)
+        return dict(group=groups.data, size=mesh.data, rank=coords["dp"] * mesh.cp + coords["cp"], dtype=dtype,
+                    weight_pass=program.splits_backward)
     return dict(group=None, size=1, rank=0, replicate=groups.data if mesh.data > 1 else None,
-                replicas=mesh.data, dtype=dtype)
+                replicas=mesh.data, dtype=dtype, weight_pass=program.splits_backward)
 
 
 def clip_coefficient(max_norm, norm) -> float:
