@@ -2,7 +2,9 @@
 
 ``passes.pipeline_split`` makes the stage graphs from the plan's stages; each runs as a
 ``PipelineStage`` under the plan's schedule; a weight held by several stages has its gradient
-summed over them.
+summed over them. In a world whose collectives move no data (a rehearsal,
+``runtime.fake_group``) nothing answers the stages' exchange of shapes, so each stage is given
+its inputs' and outputs' shapes, propagated through the rank's graph (``stage_examples``).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 
 from autopar import collectives as C
 from autopar.passes.pipeline_split import pipeline_split_pass
+from autopar.runtime.fake_group import moves_no_data
 
 
 class StageModule(torch.nn.Module):
@@ -81,8 +84,10 @@ class Pipeline:
                                "autopar (runtime.program._holders and passes.pipeline_split disagree)")
         tensors = {**params, **{f: b for f, b in buffers.items() if f in needed}}
         self.pp_group = group
+        examples = (stage_examples(gm, self.sg, plan, params, buffers, prepare, device)
+                    if moves_no_data(process_group) else {})
         self.stages = [PipelineStage(StageModule(wrap(self.sg.stages[s]), self.sg.stage_params[s], tensors, prepare),
-                                     s, n, device, group=process_group) for s in self.mine]
+                                     s, n, device, group=process_group, **examples.get(s, {})) for s in self.mine]
         tail = wrap(self.sg.tail)
         tail_w = {f: tensors[f] for f in self.sg.tail_params} if self.last else {}
 
@@ -136,3 +141,47 @@ class Pipeline:
             elif p is not None:
                 p.grad = total
         return C.all_reduce(loss.to(self.device).float(), self.pp_group)
+
+
+def stage_examples(gm, sg, plan, params: dict, buffers: dict, prepare, device) -> dict[int, dict]:
+    """Per stage, ``input_args`` and ``output_args`` for its ``PipelineStage``: meta tensors of the
+    shapes and dtypes its activations take, found by running the rank's whole graph ``gm`` on fake
+    tensors (one microbatch of the plan's input shapes; every parameter at the shape a rank holds,
+    ``Plan.held_shape``, through ``prepare`` as the stages compute with it). ``sg``: ``gm`` split
+    into stages (a stage's activation input ``in_x`` is ``gm``'s node ``x``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # a weight this rank does not hold is stored as those it holds are (fp32, or 16-bit)
+    stored = next((p.dtype for p in params.values() if p.is_floating_point()), torch.float32)
+    shapes = iter(plan.input_shapes)
+    args = []
+    with mode:
+        for node in gm.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            kind, fqn = node.meta.get("kind"), node.meta.get("fqn")
+            if kind == "param":
+                held = params.get(fqn)
+                dtype = held.dtype if held is not None else stored
+                args.append(prepare(fqn, torch.empty(plan.held_shape(plan.param(fqn)), dtype=dtype, device=device)))
+            elif kind == "buffer":
+                args.append(mode.from_tensor(buffers[fqn]))
+            else:
+                args.append(torch.zeros(next(shapes), dtype=torch.long, device=device))
+    FakeTensorProp(gm, mode).propagate(*args)
+    vals = {n.name: n.meta["val"] for n in gm.graph.nodes}
+
+    def meta(name: str) -> torch.Tensor:   # a floating activation carries a gradient back
+        v = vals[name]
+        return torch.empty(v.shape, dtype=v.dtype, device="meta", requires_grad=v.is_floating_point())
+
+    out = {}
+    for s, stage in enumerate(sg.stages):
+        ins = [meta(n.name.removeprefix("in_")) for n in stage.graph.nodes
+               if n.op == "placeholder" and n.meta.get("kind") not in ("param", "buffer")]
+        result = next(n for n in stage.graph.nodes if n.op == "output").args[0]
+        outs = [meta(a.name) for a in (result if isinstance(result, (tuple, list)) else (result,))]
+        out[s] = dict(input_args=tuple(ins), output_args=tuple(outs))
+    return out
