@@ -17,7 +17,7 @@ from autopar.cost_model.stages import INTERLEAVED, SCHEDULES
 from autopar.cost_model.terms import MemoryPlan, StepTerms, step_time
 from autopar.errors import PlanFormatError
 from autopar.mesh import AXIS_ORDER, Mesh
-from autopar.rehearsal import CollectiveCount, Rehearsal
+from autopar.rehearsal import CollectiveCount, OpTime, Rehearsal
 
 PLAN_VERSION = 1
 
@@ -637,7 +637,7 @@ def _build(cls, data, where: str):
 
 _NESTED = {"ParamPlan": ParamPlan, "NodePlan": NodePlan, "CollectivePlan": CollectivePlan,
            "StagePlan": StagePlan, "MemoryPlan": MemoryPlan, "Rehearsal": Rehearsal,
-           "CollectiveCount": CollectiveCount}
+           "CollectiveCount": CollectiveCount, "OpTime": OpTime}
 
 
 def _convert(tp: str, value, name: str):

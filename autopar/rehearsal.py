@@ -17,9 +17,14 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class CollectiveCount:
-    """The collectives of one ``kind`` on one mesh ``axis`` a rank issued per step (``count`` calls
-    moving ``bytes``, full tensor sizes as plans count them) and what its plan records for them
-    (``planned_count`` and ``planned_bytes``; 0 where the plan records none)."""
+    """The collectives of one ``kind`` on one mesh ``axis`` in one ``phase`` a rank issued per step
+    (``count`` calls moving ``bytes``, full tensor sizes as plans count them) and what its plan
+    records for them (``planned_count`` and ``planned_bytes``; 0 where the plan records none).
+
+    ``phase`` as plans name it: "bwd" inside autograd's backward, "step" in the gradient sync after
+    it and the update, "fwd" elsewhere ("" in files older than phases). Compare bytes, not counts:
+    a plan records ZeRO's gathers and reduce-scatters as one collective per phase and microbatch
+    (all the parameters' bytes), while the program issues one per parameter (``agrees``)."""
 
     kind: str
     axis: str
@@ -27,6 +32,27 @@ class CollectiveCount:
     bytes: int
     planned_count: int
     planned_bytes: int
+    phase: str = ""
+
+    @property
+    def agrees(self) -> bool:
+        """Whether the rank issued the bytes its plan records (counts may differ: see the class)."""
+        return self.bytes == self.planned_bytes
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """What one kind of op took on the rehearsed rank in one forward and backward: ``calls`` of it,
+    ``seconds`` per call (the mean). ``op`` "matmul": ``dims`` (m, n, k) of a matmul of ``dtype``
+    ("fp32", "bf16", "fp16"; a batched one's batch folded into m); "other": every other op run at
+    the top level but attention (``dims`` ()), its mean the floor under a small op's time.
+    ``cost_model.calibrate.with_rehearsals`` takes them into a device profile."""
+
+    op: str
+    dtype: str
+    dims: tuple[int, ...]
+    calls: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -40,7 +66,8 @@ class Rehearsal:
     GPU); ``comm_s`` and ``bubble_s``: the communication nothing overlaps and the pipeline's fill
     and drain, as the plan priced them; ``step_s``: the step those make (``cost_model.terms.step_time``);
     ``param_bytes``: the bytes of the parameters materialised on the device, against the plan's
-    for the rank. ``device``: what ran it; ``priced_on``: the device the plan was priced for."""
+    for the rank. ``device``: what ran it; ``priced_on``: the device the plan was priced for.
+    ``ops``: what its ops took (``OpTime``; measured on the CPU, () on a GPU or in older files)."""
 
     rank: int
     coords: str
@@ -62,6 +89,7 @@ class Rehearsal:
     step_s: float
     predicted_step_s: float
     collectives: tuple[CollectiveCount, ...] = ()
+    ops: tuple[OpTime, ...] = ()
 
     @property
     def compute_ratio(self) -> float:
@@ -85,10 +113,12 @@ class Rehearsal:
                f"  priced communication {_ms(self.comm_s)} and pipeline bubble {_ms(self.bubble_s)} exposed: step "
                f"{_ms(self.step_s)} (predicted {_ms(self.predicted_step_s)})"]
         if self.collectives:
-            out.append("  collectives per step, issued vs plan (count, MiB):")
+            out.append("  collectives per step, issued vs plan (count, MiB; the bytes agree or not: a plan counts "
+                       "ZeRO's one per phase, the program one per parameter):")
             for c in self.collectives:
-                out.append(f"    {c.kind:15s} {c.axis:12s} x{c.count:<5d} {c.bytes / 2**20:10.3f}   plan x{c.planned_count:<5d} "
-                           f"{c.planned_bytes / 2**20:10.3f}")
+                out.append(f"    {c.kind:15s} {c.axis:12s} {c.phase or '-':4s} x{c.count:<5d} {c.bytes / 2**20:10.4f}   "
+                           f"plan x{c.planned_count:<5d} {c.planned_bytes / 2**20:10.4f}   "
+                           f"{'agree' if c.agrees else f'differ by {c.bytes - c.planned_bytes:+,d} B'}")
         return out
 
 

@@ -19,7 +19,7 @@ from collections import Counter
 import torch
 
 from autopar.cost_model.terms import step_time
-from autopar.mesh import Mesh, default_device_type
+from autopar.mesh import Mesh
 from autopar.plans import Plan
 from autopar.rehearsal import CollectiveCount, Rehearsal
 
@@ -59,8 +59,10 @@ def rehearse(model, mesh, example_inputs, *, rank="worst", steps: int = 5, warmu
         warnings.warn(f"autopar.rehearse: the plan was priced for {plan.device!r} but runs here on {here!r}: its "
                       "rehearsed figures compare different chips", stacklevel=2)
     stored = {f: p.dtype for f, p in model.named_parameters()}
-    with fake_world(the_mesh.world_size, chosen) as tally:
-        groups = process_groups(the_mesh, plan.zero, default_device_type())
+    # the world stands for the backend a real run takes on this device (its name says which): the
+    # program built is that run's (ZeRO's prefetch, the device the runtime reads off the backend)
+    with fake_world(the_mesh.world_size, chosen, local.type) as tally:
+        groups = process_groups(the_mesh, plan.zero, local.type)
         program = program_for(plan, chosen, cap, strategies, groups=groups, device=local, compile=compile)
         measured = run_rank(model, program, cap, tally, steps=steps, warmup=warmup, log=say)
     planned_params = sum(math.prod(plan.held_shape(plan.param(f))) * _itemsize(stored[f]) for f in program.params)
@@ -145,11 +147,12 @@ def _report(plan: Plan, program, measured, why: str, predicted_peak: float, plan
         comm, bubble, predicted_update = plan.predicted_comm_s, 0.0, plan.predicted_update_s
     planned = Counter(), Counter()
     for c in plan.collectives:
-        planned[0][(c.kind, c.axis)] += c.count
-        planned[1][(c.kind, c.axis)] += c.bytes
+        planned[0][(c.kind, c.axis, c.phase)] += c.count
+        planned[1][(c.kind, c.axis, c.phase)] += c.bytes
     keys = list(dict.fromkeys([*planned[0], *measured.collectives]))
-    colls = tuple(CollectiveCount(kind, axis, *measured.collectives.get((kind, axis), (0, 0)),
-                                  planned[0][(kind, axis)], planned[1][(kind, axis)]) for kind, axis in keys)
+    colls = tuple(CollectiveCount(kind, axis, *measured.collectives.get((kind, axis, phase), (0, 0)),
+                                  planned[0][(kind, axis, phase)], planned[1][(kind, axis, phase)], phase)
+                  for kind, axis, phase in keys)
     split = ("dp_replicate", "dp_shard") if mesh.split else ("dp",)   # an unsplit dp is its one shard axis
     coords = " ".join(f"{a} {c}" for a, c in program.coords.items()
                       if mesh.size(a) > 1 and (a in split or a not in ("dp", "dp_replicate", "dp_shard"))) or "rank 0"
@@ -159,4 +162,4 @@ def _report(plan: Plan, program, measured, why: str, predicted_peak: float, plan
                      predicted_peak_bytes=predicted_peak, memory=measured.memory, param_bytes=measured.param_bytes,
                      planned_param_bytes=int(planned_params), comm_s=comm, bubble_s=bubble,
                      step_s=step_time(measured.compute_s, [comm, bubble], measured.update_s),
-                     predicted_step_s=plan.predicted_step_time, collectives=colls)
+                     predicted_step_s=plan.predicted_step_time, collectives=colls, ops=measured.ops)

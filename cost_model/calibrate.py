@@ -67,6 +67,8 @@ from autopar.graph.views import VIEW_OPS
 from .strategy import op_traffic
 
 MEASURED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+# (m, n, k) of the sample that keeps a preset's matmul rate for sizes above a rehearsal's (``with_rehearsals``)
+_ANCHOR = (4096, 4096, 4096)
 _RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
 _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -508,6 +510,45 @@ def calibrate(*, quick: bool = False, base: str | DeviceSpec | None = None, name
         "seconds": round(time.perf_counter() - started, 2),
     }
     return spec, record
+
+
+def with_rehearsals(spec: DeviceSpec, rehearsals) -> tuple[DeviceSpec, dict]:
+    """``spec`` taught what rehearsed ranks' ops really took (``autopar.rehearse``; ``rehearsals``,
+    a plan's ``Rehearsal`` records, each with its ``ops``), and the record of what was taken.
+
+    Each matmul shape a rank ran becomes a ``MatmulSample`` at its measured rate (2mnk over its
+    seconds per call), in place of the profile's samples of the same dtype and FLOPs (the rank ran
+    that size in situ; other sizes keep theirs); where the profile had no samples of a dtype, one
+    more at ``_ANCHOR`` FLOPs keeps its former rate (peak times efficiency) for the larger matmuls
+    the ranks did not run. ``launch_overhead``, the floor under every op's time, becomes the mean
+    time of the ranks' other ops (what a small op took there). Plans priced with the result
+    predict those ranks' compute as their ops ran; the rehearsals should be of this device."""
+    ops = [op for r in rehearsals for op in r.ops]
+    if not ops:
+        raise ValueError("these rehearsals recorded no op times (a rehearsal on a GPU, or from an older plan file): "
+                         "rehearse on the CPU (autopar.rehearse with this machine's CPU) to take its ops into a profile")
+    matmuls = {}
+    for op in ops:
+        if op.op == "matmul":
+            m, n, k = op.dims
+            calls, seconds = matmuls.get((op.dtype, m, n, k), (0, 0.0))
+            matmuls[(op.dtype, m, n, k)] = (calls + op.calls, seconds + op.calls * op.seconds)
+    taken = [MatmulSample(dtype, m, n, k, 2.0 * m * n * k * calls / seconds)
+             for (dtype, m, n, k), (calls, seconds) in sorted(matmuls.items()) if seconds > 0]
+    rehearsed = {(t.dtype, t.m * t.n * t.k) for t in taken}
+    kept = [t for t in spec.matmul_table if (t.dtype, t.m * t.n * t.k) not in rehearsed]
+    anchors = [MatmulSample(d, *_ANCHOR, spec.flops(d) * spec.matmul_efficiency)
+               for d in sorted({t.dtype for t in taken}) if spec.matmul_curve(d) is None and d in spec.peak_flops]
+    other = [op for op in ops if op.op == "other"]
+    calls = sum(op.calls for op in other)
+    overhead = sum(op.calls * op.seconds for op in other) / calls if calls else spec.launch_overhead
+    out = replace(spec, name=f"{spec.name} + rehearsed", matmul_table=(*kept, *taken, *anchors),
+                  launch_overhead=overhead)
+    record = {"rehearsals": [{"rank": r.rank, "coords": r.coords, "device": r.device,
+                              "matmul_shapes": sum(op.op == "matmul" for op in r.ops),
+                              "other_ops": sum(op.calls for op in r.ops if op.op == "other")} for r in rehearsals],
+              "launch_overhead": {"before": spec.launch_overhead, "rehearsed": overhead}}
+    return out, record
 
 
 def _with_network(base: DeviceSpec, network: dict[str, dict], per_node: int) -> DeviceSpec:

@@ -5,7 +5,7 @@ issues to return at once, with outputs of the right shapes, as if N-1 peers were
 own fake backend (``torch.testing._internal.distributed.fake_pg``) does that in C++, where a
 collective cannot be seen; this backend is a Python ``ProcessGroup`` (the route torch's
 multi-threaded test group takes, on torch 2.11-2.14) that does the same and records, per call,
-the kind, the group and the bytes. Functional collectives (compiled or eager), ``torch.distributed``
+the kind, the group, the phase and the bytes. Functional collectives (compiled or eager), ``torch.distributed``
 calls and the pipeline's sends and receives all reach it, so the tally is what the rank issued.
 
 Bytes are counted as a plan records them (``autopar.plans.CollectivePlan``: full tensor sizes):
@@ -27,21 +27,31 @@ import torch.distributed as dist
 from torch.futures import Future
 
 BACKEND = "autopar_rehearsal"
+# the backend a real run takes on each device, whose name the world's takes after BACKEND: code that
+# reads the device or ZeRO's prefetch off the backend's name (``mesh.default_device_type``,
+# ``runtime.compiler.prefetches``) then builds the program that run builds
+REAL = {"cpu": "gloo", "cuda": "nccl"}
 
 
 @dataclasses.dataclass
 class Tally:
-    """Collectives issued while counting: (kind, group name) -> [calls, bytes]; ``on`` pauses it."""
+    """Collectives issued while counting: (kind, group name, phase) -> calls, and -> bytes; ``on``
+    pauses it. The phase is "bwd" for a collective issued inside autograd's backward (an autograd
+    Function's, or a compiled backward's), else ``phase``, which the caller sets to say where the
+    step is ("fwd" by default; a rehearsal sets "step" around the gradient sync and the update)."""
 
     calls: Counter = dataclasses.field(default_factory=Counter)
     bytes: Counter = dataclasses.field(default_factory=Counter)
     on: bool = True
+    phase: str = "fwd"
 
     def add(self, kind: str, group: str, nbytes: int) -> None:
         """Count one collective of ``kind`` on ``group`` moving ``nbytes``."""
         if self.on:
-            self.calls[(kind, group)] += 1
-            self.bytes[(kind, group)] += int(nbytes)
+            # the engine runs a backward as a graph task; outside one the id is -1
+            phase = "bwd" if torch._C._current_graph_task_id() != -1 else self.phase
+            self.calls[(kind, group, phase)] += 1
+            self.bytes[(kind, group, phase)] += int(nbytes)
 
     def clear(self) -> None:
         """Forget everything counted so far."""
@@ -72,15 +82,15 @@ class SilentGroup(dist.ProcessGroup):
     """A process group of ``size`` ranks of which this process is ``rank``: each collective returns at
     once, its outputs as allocated, and is counted in the module's tally."""
 
-    def __init__(self, rank: int, size: int):
+    def __init__(self, rank: int, size: int, name: str):
         super().__init__(rank, size)
-        self._size = size
+        self._size, self._name = size, name
 
     def size(self) -> int:
         return self._size
 
     def getBackendName(self) -> str:
-        return BACKEND
+        return self._name
 
     @property
     def group_name(self) -> str:
@@ -146,32 +156,37 @@ class SilentGroup(dist.ProcessGroup):
 
 def moves_no_data(group) -> bool:
     """Whether ``group`` (a process group, None for the default one) is of this backend."""
-    return dist.is_initialized() and dist.get_backend(group) == BACKEND
+    return dist.is_initialized() and str(dist.get_backend(group)).startswith(BACKEND)
 
 
-def _create(store, rank, size, timeout):
-    return SilentGroup(rank, size)
+def backend_name(device_type: str) -> str:
+    """The name of the backend standing for a real run's on ``device_type`` ("cpu" or "cuda")."""
+    return f"{BACKEND}_{REAL[device_type]}"
 
 
-def _register() -> None:
-    """Register the backend once per process (torch refuses a second registration)."""
-    if not hasattr(dist.Backend, BACKEND.upper()):
-        dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+def _register(name: str) -> None:
+    """Register the backend ``name`` once per process (torch refuses a second registration)."""
+    if not hasattr(dist.Backend, name.upper()):
+        dist.Backend.register_backend(name, lambda store, rank, size, timeout: SilentGroup(rank, size, name),
+                                      devices=["cpu", "cuda"])
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int, rank: int):
+def fake_world(world_size: int, rank: int, device_type: str = "cpu"):
     """Within it, torch.distributed is a world of ``world_size`` ranks in which this process is
-    ``rank`` and no collective moves data; yields the ``Tally`` of what was issued. Refuses to start
+    ``rank`` and no collective moves data, standing for the backend a real run takes on
+    ``device_type`` (``backend_name``); yields the ``Tally`` of what was issued. Refuses to start
     inside a world already initialised (a rehearsal is for a process of its own, or one with no
     world yet); destroys the world it made on leaving."""
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process; a rehearsal makes its own "
                            "world of the plan's size: run it in a process without one (not under torchrun)")
-    _register()
-    dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
+    name = backend_name(device_type)
+    _register(name)
+    dist.init_process_group(name, store=dist.HashStore(), rank=rank, world_size=world_size)
     _TALLY.clear()
     _TALLY.on = True
+    _TALLY.phase = "fwd"
     try:
         yield _TALLY
     finally:

@@ -1,6 +1,7 @@
 """One rank of a plan run alone: ``run_rank`` builds its share of a model on this device, trains it
 on random tokens in a world whose collectives move no data (``runtime.fake_group``), and measures
-its step.
+its step: seconds, the collectives by phase, the peak memory (``step_peak``, which a real run can
+take too) and, on the CPU, what its ops took (``op_times``).
 
 The model may be on the meta device: only the rank's shards are made, at their local shapes
 (``runtime.parameters.materialize``), randomly initialised where the model has no
@@ -12,12 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
+import math
 import os
 import statistics
 import time
 
 import torch
 
+from autopar.rehearsal import OpTime
+from autopar.runtime import step as runtime_step
 from autopar.runtime.fake_group import Tally
 from autopar.runtime.parallel_model import ParallelModel
 
@@ -30,8 +35,9 @@ AXES = ("tp", "cp", "pp", "dp", "dp_shard", "dp_replicate", "data")
 class Measured:
     """A rank's step as ``run_rank`` measured it: median seconds of the forward and backward over
     the step's microbatches (``train_step``) and of the optimizer step, the peak bytes and what
-    they are (``memory``), the bytes of the parameters made, and the collectives issued per step,
-    (kind, axis) -> (count, bytes)."""
+    they are (``memory``), the bytes of the parameters made, the collectives issued per step,
+    (kind, axis, phase) -> (count, bytes), and what its forward and backward's ops took
+    (``op_times``; () on a GPU)."""
 
     compute_s: float
     update_s: float
@@ -40,6 +46,7 @@ class Measured:
     param_bytes: int
     collectives: dict
     steps: int
+    ops: tuple = ()
 
 
 def run_rank(model, program, cap, tally: Tally, *, steps: int, warmup: int, log=None) -> Measured:
@@ -57,43 +64,107 @@ def run_rank(model, program, cap, tally: Tally, *, steps: int, warmup: int, log=
     cuda = device.type == "cuda"
     compute, update = [], []
     tally.on = False
-    for k in range(warmup + steps):
-        if k == warmup:
-            tally.clear()
-            tally.on = True
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            held = _held_bytes(pm, opt)
-        say(f"rank {program.rank}: {'warm-up' if k < warmup else 'timed'} step {k + 1} of {warmup + steps}")
-        _sync(cuda)
-        t0 = time.perf_counter()
-        pm.train_step(*batch)
-        _sync(cuda)
-        t1 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        _sync(cuda)
-        if k >= warmup:
-            compute.append(t1 - t0)
-            update.append(time.perf_counter() - t1)
-    if cuda:
-        peak, memory = float(torch.cuda.max_memory_allocated(device)), "the allocator's peak"
-    else:
-        peak = float(held)
-        memory = "the tensors held between steps (parameters, optimizer state, buffers; no activations)"
+    with _sync_in_step_phase(tally):
+        for k in range(warmup + steps):
+            if k == warmup:
+                tally.clear()
+                tally.on = True
+            say(f"rank {program.rank}: {'warm-up' if k < warmup else 'timed'} step {k + 1} of {warmup + steps}")
+            seconds = _timed_step(pm, opt, batch, tally, cuda)
+            if k >= warmup:
+                compute.append(seconds[0])
+                update.append(seconds[1])
+        tally.on = False
+        say(f"rank {program.rank}: one more step, its memory measured")
+        peak, memory = step_peak(pm, opt, lambda: _timed_step(pm, opt, batch, tally, cuda))
+        ops = ()
+        if not cuda:
+            say(f"rank {program.rank}: one more step, its ops timed")
+            ops = op_times(lambda: pm.train_step(*batch))
     names = {program.groups.of(a): a for a in reversed(AXES) if program.groups.of(a) is not None}
     per_step = {}
-    for (kind, group), calls in tally.calls.items():
-        key = (kind, names.get(group, group))
+    for (kind, group, phase), calls in tally.calls.items():
+        key = (kind, names.get(group, group), phase)
         count, nbytes = per_step.get(key, (0, 0))
-        per_step[key] = (count + calls // steps, nbytes + tally.bytes[(kind, group)] // steps)
+        per_step[key] = (count + calls // steps, nbytes + tally.bytes[(kind, group, phase)] // steps)
     return Measured(statistics.median(compute), statistics.median(update), peak, memory, param_bytes,
-                    per_step, steps)
+                    per_step, steps, ops)
+
+
+def _timed_step(pm, opt, batch, tally: Tally, cuda: bool) -> tuple[float, float]:
+    """One training step: ``train_step`` and an AdamW step, their seconds (the update's collectives
+    counted in the phase "step")."""
+    _sync(cuda)
+    t0 = time.perf_counter()
+    pm.train_step(*batch)
+    _sync(cuda)
+    t1 = time.perf_counter()
+    tally.phase = "step"
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    tally.phase = "fwd"
+    _sync(cuda)
+    return t1 - t0, time.perf_counter() - t1
 
 
 def _sync(cuda: bool) -> None:
     if cuda:
         torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def _sync_in_step_phase(tally: Tally):
+    """While in it, the gradient sync after a step's backward (``runtime.step.sync_gradients``,
+    which ``ParallelModel.train_step`` calls) counts its collectives in the phase "step", as plans
+    record ZeRO-0/1's: outside a backward, nothing else tells it from the forward."""
+    original = runtime_step.sync_gradients
+
+    def sync(*args, **kwargs):
+        tally.phase = "step"
+        try:
+            return original(*args, **kwargs)
+        finally:
+            tally.phase = "fwd"
+    runtime_step.sync_gradients = sync
+    try:
+        yield
+    finally:
+        runtime_step.sync_gradients = original
+
+
+def step_peak(pm, opt, step) -> tuple[float, str]:
+    """The peak bytes of the device while ``step()`` (a training step of ``pm``, a ParallelModel,
+    and ``opt``, its optimizer) runs, and what they are. On a GPU the allocator's peak; on the CPU
+    the tensors held before the step (``held_bytes``) plus the highest the CPU allocator's bytes
+    in use rose above them during it, activations and the backward's transients included
+    (torch.profiler's memory events: every allocation and free, compiled code's too). A real run
+    (gloo ranks) measured with this gives the figure its rehearsal gives."""
+    device = next(iter(pm.parameters())).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return float(torch.cuda.max_memory_allocated(device)), "the allocator's peak"
+    # the profiler counts the free of a block it saw allocated, in any earlier profile too: garbage of
+    # earlier work collected during the step would lower the figure, so it is collected before, and
+    # the collector waits meanwhile (a cycle freed mid-step would move the peak run to run)
+    gc.collect()
+    held = held_bytes(pm, opt)
+    gc.disable()
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+    finally:
+        gc.enable()
+    deltas = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    rise = in_use = 0
+    for _, nbytes in deltas:
+        in_use += nbytes
+        rise = max(rise, in_use)
+    return float(held + rise), ("the tensors held before a step plus the most the CPU allocator's bytes in use "
+                                "rose during it (activations and the backward's transients included)")
 
 
 @contextlib.contextmanager
@@ -156,9 +227,49 @@ def _random_batch(program, cap) -> list[torch.Tensor]:
     return out
 
 
-def _held_bytes(pm, opt) -> int:
-    """Bytes of the tensors the rank holds between steps: its parameters, their gradients, its
-    optimizer state and buffers (each storage once)."""
+# the matmuls the profiler names, and where their (m, k) and (k, n) operands are among its inputs
+MATMULS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2)}
+DTYPES = {"float": "fp32", "c10::BFloat16": "bf16", "c10::Half": "fp16"}
+
+
+def op_times(run) -> tuple[OpTime, ...]:
+    """What the ops of ``run()`` (a forward and backward on the CPU) took, as torch.profiler timed
+    each call: per matmul shape and dtype (``MATMULS``; a batched one's batch folded into m) its
+    calls and mean seconds per call, then one "other" row: the calls of every other op run at the
+    top level (an aten op inside no other, attention aside) and their mean seconds, the floor
+    under a small op's time that the cost model calls launch overhead. Calls in the profiler's
+    own start-up are not told apart: run it on a step already warm."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        run()
+    events = sorted((e for e in prof.profiler.kineto_results.events()
+                     if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith("aten::")),
+                    key=lambda e: (e.start_thread_id(), e.start_ns(), -e.duration_ns()))
+    matmuls: dict = {}
+    tops: list[list] = []   # the top-level ops: [thread, end, name, seconds, whether a matmul runs in it]
+    for e in events:
+        thread, start = e.start_thread_id(), e.start_ns()
+        top = tops[-1] if tops and tops[-1][0] == thread and start < tops[-1][1] else None
+        matmul = e.name() in MATMULS and bool(e.dtypes()) and e.dtypes()[0] in DTYPES
+        if matmul:
+            a, b = (e.shapes()[i] for i in MATMULS[e.name()])
+            key = (DTYPES[e.dtypes()[0]], math.prod(a[:-1]), b[-1], a[-1])
+            calls, seconds = matmuls.get(key, (0, 0.0))
+            matmuls[key] = (calls + 1, seconds + e.duration_ns() / 1e9)
+        if top is None:
+            tops.append([thread, start + e.duration_ns(), e.name(), e.duration_ns() / 1e9, matmul])
+        elif matmul:
+            top[4] = True
+    other = [seconds for _, _, name, seconds, matmul in tops if not matmul and "attention" not in name]
+    out = [OpTime("matmul", dtype, (m, n, k), calls, seconds / calls)
+           for (dtype, m, n, k), (calls, seconds) in sorted(matmuls.items())]
+    if other:
+        out.append(OpTime("other", "", (), len(other), math.fsum(other) / len(other)))
+    return tuple(out)
+
+
+def held_bytes(pm, opt) -> int:
+    """Bytes of the tensors a rank holds between steps: its parameters (``pm``, a ParallelModel),
+    their gradients, its optimizer state (``opt``) and buffers (each storage once)."""
     seen, total = set(), 0
     tensors = [*pm.parameters(), *(p.grad for p in pm.parameters() if p.grad is not None),
                *(v for state in getattr(opt, "state", {}).values() for v in state.values() if isinstance(v, torch.Tensor)),

@@ -1,0 +1,74 @@
+"""A rehearsal teaches a device profile what its rank's ops took (``calibrate.with_rehearsals``): each
+matmul shape the rank ran becomes a sample at its measured rate, the floor under a small op's time
+the mean of its other ops, and a plan priced with the profile predicts the rank's compute closer to
+what the rehearsal measured. The profile round-trips through its JSON; rehearsals without op times
+are refused with a sentence."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import pytest
+import torch
+
+import autopar
+from autopar.cost_model.calibrate import with_rehearsals, write_profile
+from autopar.cost_model.devices import get_device
+from autopar.examples.gpt import GPT, example_inputs
+from parity import SEQ, TINY
+
+BATCH = 8
+MESH = (1, 1, 2)
+
+
+def _meta_model():
+    with torch.device("meta"):
+        return GPT(TINY)
+
+
+def _inputs():
+    return example_inputs(TINY, BATCH, SEQ, device="meta")
+
+
+@functools.cache
+def _rehearsed():
+    return autopar.rehearse(_meta_model(), MESH, _inputs(), rank=1, plan="megatron", device="cpu",
+                            compile="aot_eager", steps=3, warmup=1)
+
+
+def test_the_rank_s_ops_are_timed():
+    (r,) = _rehearsed().rehearsals
+    matmuls = [op for op in r.ops if op.op == "matmul"]
+    (other,) = [op for op in r.ops if op.op == "other"]
+    # tp=2 halves the attention's and MLP's widths: c_fc's forward (tokens, 4h / 2, h) is among them
+    assert ("fp32", BATCH * SEQ, 4 * TINY.n_embd // 2, TINY.n_embd) in {(op.dtype, *op.dims) for op in matmuls}
+    assert all(op.calls > 0 and op.seconds > 0 for op in r.ops)
+    assert other.calls > 50 and other.seconds > 0
+
+
+def test_a_profile_taught_by_the_rehearsal_predicts_its_compute_closer(tmp_path):
+    plan = _rehearsed()
+    (r,) = plan.rehearsals
+    base = get_device("cpu")
+    spec, record = with_rehearsals(base, plan.rehearsals)
+    rates = {(s.dtype, s.m, s.n, s.k): s.flops_per_s for s in spec.matmul_table}
+    for op in r.ops:
+        if op.op == "matmul":
+            assert rates[(op.dtype, *op.dims)] == pytest.approx(2 * math.prod(op.dims) / op.seconds)
+    assert spec.launch_overhead == next(op.seconds for op in r.ops if op.op == "other")
+    assert record["rehearsals"][0]["rank"] == 1
+    path = tmp_path / "taught.json"
+    write_profile(spec, record, path)
+    assert get_device(str(path)) == spec
+    again = autopar.plan(_meta_model(), MESH, _inputs(), plan="megatron", device=str(path))
+    before, after, measured = r.predicted_compute_s, again.step_terms.compute, r.compute_s
+    print(f"compute: rehearsed {measured * 1e3:.2f} ms, predicted {before * 1e3:.2f} ms with the cpu preset, "
+          f"{after * 1e3:.2f} ms taught by the rehearsal")
+    assert abs(math.log(after / measured)) < abs(math.log(before / measured))
+
+
+def test_rehearsals_without_op_times_are_refused():
+    (r,) = _rehearsed().rehearsals
+    with pytest.raises(ValueError, match="recorded no op times.*rehearse on the CPU"):
+        with_rehearsals(get_device("cpu"), [dataclasses.replace(r, ops=())])
