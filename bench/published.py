@@ -32,6 +32,7 @@ import torch
 
 import autopar
 import autopar.hf
+from autopar.errors import PlanError
 from autopar.examples.gpt import GPT, GPTConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -291,7 +292,7 @@ def price(run: Run, device: str) -> Priced:
     refused = None
     try:
         plan = autopar.plan(model, mesh, inputs, **knobs)
-    except ValueError as e:   # PlanError, or the stage cut's own refusal (a plain ValueError)
+    except PlanError as e:   # no plan fits the memory (a stage cut's refusal among them)
         refused = str(e).splitlines()[0]
         plan = autopar.plan(model, mesh, inputs, memory_budget="10TB", **knobs)
     return Priced(run, plan, refused, time.perf_counter() - start, time.process_time() - cpu)

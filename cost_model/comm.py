@@ -4,7 +4,11 @@ For ``n`` ranks on a ring, each rank sends ``(n-1)/n`` of the full tensor in ``n
 all-gather, reduce-scatter and all-to-all, and twice that (a reduce-scatter then an all-gather)
 for all-reduce. Time = bytes_on_wire / bw + steps * alpha, with (bw, alpha) the intra-node
 (NVLink) or inter-node (InfiniBand) tier. A ring is as fast as its slowest link, so an axis that
-spans nodes is priced entirely at the inter-node tier.
+spans nodes is priced entirely at the inter-node tier: the profile's ``inter_node_bw`` is one GPU's
+NIC, and a group with k of its ranks on each node crosses between nodes on k NICs at once (NCCL
+runs one ring per NIC, each carrying 1/k of the bytes), so its bandwidth is k NICs', no more than
+the node's own fabric carries (``axis_links``: k = 1 for a dp whose ranks are a node apart, 8 for
+a dp of whole nodes).
 
 Sums run in fp32 (``autopar.collectives``): ``summed_bytes`` gives the bytes a reduction of a
 16-bit tensor really moves.
@@ -62,18 +66,37 @@ def summed_bytes(kind: str, nbytes: float, dtype: torch.dtype | None) -> float:
 
 
 def collective_time(kind: str, nbytes: float, n: int, dev: DeviceSpec,
-                    inter_node: bool = False) -> float:
+                    inter_node: bool | int = False) -> float:
     """Seconds for a ring ``kind`` ("all_reduce", "all_gather", "reduce_scatter",
     "all_to_all") of a FULL tensor of ``nbytes`` over ``n`` ranks on ``dev``'s network.
 
-    Uses the inter-node tier when ``inter_node`` is true (see ``axis_is_inter_node``), and
-    the profile's fit for ``kind`` on that tier when it has one (``DeviceSpec.collective_params``).
-    ``nbytes`` may be a sympy expression. A group of one rank costs nothing."""
+    ``inter_node``: false within a node; across nodes, the group's ranks on each node (``axis_links``;
+    True: one), whose NICs the ring's crossings share (``link_bandwidth``). The profile's fit for
+    ``kind`` on the tier is used when it has one (``DeviceSpec.collective_params``). ``nbytes`` may
+    be a sympy expression. A group of one rank costs nothing."""
     mult = _check(kind, n)
     if n == 1:
         return 0.0
-    alpha, bw = dev.collective_params(kind, inter_node)
+    alpha, bw = dev.collective_params(kind, bool(inter_node))
+    if inter_node:
+        bw = link_bandwidth(bw, int(inter_node), dev.collective_params(kind, False)[1])
     return collective_bytes_on_wire(kind, nbytes, n) / bw + mult * (n - 1) * alpha
+
+
+def link_bandwidth(nic: float, links: int, fabric: float) -> float:
+    """Bytes/s of a ring crossing between nodes on ``links`` NICs per node (one per rank of the group
+    on that node), each of ``nic`` bytes/s: one ring per NIC, each with 1/links of the bytes; never
+    above the node's own ``fabric``, which every ring also crosses inside the node."""
+    return min(nic * links, max(fabric, nic))
+
+
+def axis_links(axis_size: int, inner_size: int, gpus_per_node: int) -> int:
+    """0 when a mesh axis of ``axis_size`` ranks, ``inner_size`` apart, stays in one node (as
+    ``axis_is_inter_node``); else how many of one group's ranks share a node, each with its own NIC:
+    gpus_per_node / inner_size when the axes inside it fill less than a node, else 1."""
+    if not axis_is_inter_node(axis_size, inner_size, gpus_per_node):
+        return 0
+    return max(1, gpus_per_node // inner_size)
 
 
 def axis_is_inter_node(axis_size: int, inner_size: int, gpus_per_node: int) -> bool:

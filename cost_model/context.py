@@ -35,8 +35,15 @@ Prices: the planner prices the captured, whole sequence; on cp ranks every op do
 work, exactly so with either attention (its scores are the rank's query rows against every key),
 so compute, the tp collectives (tokens / cp), the activations and the backward's transient are
 divided by cp (``cost_model.step.price_step``, ``cost_model.memory.memory``). Added: the step's cp
-term, the collectives above (``cp_seconds``), and what each attention keeps or holds beyond its
-1/cp (``context_memory``).
+term, the collectives above (``cp_seconds``; with pipeline stages one pipeline rank's, its own
+attentions and its share of the gradient sync, as every rank moves its own at once), and what each
+attention keeps or holds beyond its 1/cp (``context_memory``).
+
+Bytes: K and V are what the graph hands attention, which in Hugging Face's Llama is after
+``repeat_kv`` (expand + reshape): with grouped-query attention the all-gather moves the expanded
+heads, n_heads / n_kv_heads times the key/value projections' bytes (8x for Llama 3 70B), because
+that is what ``passes.context_parallel`` gathers; gathering before the expansion would be that
+pass's change, and these prices would follow it.
 
 What a rank keeps for the backward with "allgather" (measured in tests/cost_model/test_context_memory.py,
 every tensor autograd saves in the rewritten graph's forward, each storage once):
@@ -72,7 +79,7 @@ from torch.fx import Node
 from autopar.graph.rules import shape
 from autopar.placement import local_shape
 
-from .comm import axis_is_inter_node, collective_time, send_recv_time
+from .comm import axis_is_inter_node, axis_links, collective_time, send_recv_time
 from .compute import node_flops
 from .strategy import strategy_time
 
@@ -80,6 +87,7 @@ aten = torch.ops.aten
 
 # the kinds of a cp attention's records (the loss count and the gradient sync are all-reduces)
 _ATTENTION_KINDS = ("all_gather", "reduce_scatter", "send_recv")
+GRADIENT_SYNC = "(all parameters)"   # where the gradient sync's record is (the whole model's parameters)
 
 
 def _attentions(cap, strategies: dict[Node, object], tp: int):
@@ -124,21 +132,23 @@ def cp_collectives(cap, strategies: dict[Node, object], cp: int, tp: int, microb
     if cap.loss is not None:
         out.append(("all_reduce", "cp", "fwd", cap.loss.meta.get("module_path", ""), m, 8 * m))
     share = 1.0 / dp_shard if zero else 1.0
-    out.append(("all_reduce", "cp", "step", "(all parameters)", 1, param_bytes * share))
+    out.append(("all_reduce", "cp", "step", GRADIENT_SYNC, 1, param_bytes * share))
     return out
 
 
 def cp_attention_seconds(cap, strategies: dict[Node, object], cp: int, tp: int, dev, gpus_per_node: int,
-                         attention: str) -> float:
+                         attention: str, nodes=None) -> float:
     """Exposed seconds of one microbatch's cp attention traffic, forward and backward, every
-    attention of ``cap``'s graph, with ``attention`` "allgather" or "ring" (the module docstring's
-    sums; 0 at cp=1)."""
+    attention of ``cap``'s graph (of ``nodes`` only, when given: one pipeline rank's), with
+    ``attention`` "allgather" or "ring" (the module docstring's sums; 0 at cp=1)."""
     if cp == 1:
         return 0.0
-    inter = axis_is_inter_node(cp, tp, gpus_per_node)
+    inter = axis_links(cp, tp, gpus_per_node)
     tp_inter = axis_is_inter_node(tp, 1, gpus_per_node)
     total = 0.0
     for n, _, kv, element in _attentions(cap, strategies, tp):
+        if nodes is not None and n not in nodes:
+            continue
         if attention != "ring":
             total += sum(collective_time("all_gather", x, cp, dev, inter) + collective_time("reduce_scatter", x, cp,
                                                                                             dev, inter) for x in kv)
@@ -160,22 +170,27 @@ def ring_in_flight(cap, strategies: dict[Node, object], cp: int, tp: int) -> flo
 
 
 def cp_seconds(cap, strategies: dict[Node, object], cp: int, tp: int, dev, gpus_per_node: int, microbatches: int,
-               attention: str, collectives, recomputed=frozenset()) -> float:
+               attention: str, collectives, recomputed=frozenset(), *, nodes=None, sync_share: float = 1.0) -> float:
     """The step's cp term: exposed seconds of the cp collectives of ``microbatches`` forward and
     backward passes with ``attention`` (``cp_attention_seconds``), the others the plan records on
     cp (``collectives``: the loss's token count and the gradient sync, per ``cp_collectives``),
     and with "allgather" each recomputed attention's second all-gather of its keys and values in
-    its backward (``recomputed``: the names of the recomputed nodes; module docstring)."""
+    its backward (``recomputed``: the names of the recomputed nodes; module docstring).
+
+    With pipeline stages every pipeline rank moves its own stages' traffic at once, so the step
+    counts one rank's: ``nodes``, the ops of the rank priced (its attentions), and ``sync_share``,
+    its share of the parameters whose gradient sync the plan records for the whole model."""
     if cp == 1:
         return 0.0
-    inter = axis_is_inter_node(cp, tp, gpus_per_node)
-    seconds = microbatches * cp_attention_seconds(cap, strategies, cp, tp, dev, gpus_per_node, attention)
+    inter = axis_links(cp, tp, gpus_per_node)
+    seconds = microbatches * cp_attention_seconds(cap, strategies, cp, tp, dev, gpus_per_node, attention, nodes)
     for c in collectives:
         if c.axis == "cp" and c.kind not in _ATTENTION_KINDS:
-            seconds += c.count * collective_time(c.kind, c.bytes / c.count, cp, dev, inter)
+            share = sync_share if c.where == GRADIENT_SYNC else 1.0
+            seconds += c.count * collective_time(c.kind, share * c.bytes / c.count, cp, dev, inter)
     if attention == "allgather":
         for n, _, kv, _ in _attentions(cap, strategies, tp):
-            if n.name in recomputed:   # its backward gathers the keys and the values again
+            if n.name in recomputed and (nodes is None or n in nodes):   # its backward gathers the keys and values again
                 seconds += 2 * microbatches * collective_time("all_gather", sum(kv) / 2, cp, dev, inter)
     return seconds
 

@@ -79,7 +79,7 @@ def pipeline_split(parts, p: int, m: int, v: int, makespan: float) -> dict:
     times = [math.fsum(d.values()) for d in parts]
     busiest = max(range(p), key=lambda r: math.fsum(times[r::p]))
     out = {k: m * math.fsum(d[k] for d in parts[busiest::p]) for k in parts[0]}
-    out["bubble"] = makespan - math.fsum(out.values())
+    out["bubble"] = max(0.0, makespan - math.fsum(out.values()))   # >= 0 but for rounding (module docstring)
     return out
 
 

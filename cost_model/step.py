@@ -22,7 +22,7 @@ import numpy as np
 from autopar.mesh import Mesh
 from autopar.placement import local_shape
 
-from .comm import axis_is_inter_node, collective_time
+from .comm import axis_links, collective_time
 from .compute import offload_update_time, update_time
 from .memo import cached, strategies_of
 from .strategy import OP_OVERHEAD, strategy_time
@@ -73,9 +73,10 @@ def dp_sync_collectives(mesh, zero: int) -> list[tuple[str, str, str, float]]:
 
 def axis_collective_time(kind: str, nbytes: float, mesh, axis: str, dev, gpus_per_node: int) -> float:
     """``collective_time`` of ``kind`` over one mesh axis: its size, at the inter-node tier when
-    its ranks span nodes (``axis_is_inter_node`` with the axes inside it)."""
+    its ranks span nodes, on as many NICs per node as the axis has ranks there (``axis_links`` with
+    the axes inside it)."""
     n = mesh.size(axis)
-    return collective_time(kind, nbytes, n, dev, axis_is_inter_node(n, mesh.inner_size(axis), gpus_per_node))
+    return collective_time(kind, nbytes, n, dev, axis_links(n, mesh.inner_size(axis), gpus_per_node))
 
 
 def dp_sync_bytes(kind: str, param_bytes: float, zero: int, gathered: float) -> float:
@@ -138,8 +139,8 @@ def zero_sync_floor(param_bytes: float, mesh, dev, zero: int, gpus_per_node: int
     if zero < 2 or mesh.dp == 1:
         return None
     for _, kind, axis, _ in dp_sync_collectives(mesh, zero):
-        inter = axis_is_inter_node(mesh.size(axis), mesh.inner_size(axis), gpus_per_node)
-        if dev.collective_params(kind, inter)[0] < 0:
+        inter = axis_links(mesh.size(axis), mesh.inner_size(axis), gpus_per_node)
+        if dev.collective_params(kind, bool(inter))[0] < 0:
             return None
     _, _, scatter = unit_sync_times([param_bytes], mesh, dev, zero, gpus_per_node, gathered=gathered)
     return microbatches * scatter[0]

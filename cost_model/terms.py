@@ -37,7 +37,13 @@ class StepTerms:
     - ``offload``: the offloaded optimizer step (copies and the host's AdamW).
 
     ``pipelined``: the tp, pp and bubble terms are inside the pipeline's makespan, which a Plan
-    records as its ``predicted_compute_s``."""
+    records as its ``predicted_compute_s``.
+
+    No term is negative (a ValueError names one that is): each is seconds spent, and an overlap is
+    credited inside the term whose communication it hides (``step.zero_exposed_time``, the ring
+    attention's ``context.cp_attention_seconds``), never as a negative term that would hide
+    another's. So ``comm_s`` is exactly the terms outside the makespan (dp and cp when pipelined,
+    tp too without stages), never less than any one of them."""
 
     compute: float = 0.0
     tp: float = 0.0
@@ -48,6 +54,13 @@ class StepTerms:
     update: float = 0.0
     offload: float = 0.0
     pipelined: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            x = getattr(self, f.name)
+            if f.name != "pipelined" and isinstance(x, (int, float)) and x < 0:   # sympy terms are left as they are
+                raise ValueError(f"step term {f.name} = {x!r} s is negative: a term is seconds spent, and an overlap "
+                                 "is credited inside the term it hides")
 
     @property
     def total(self) -> float:

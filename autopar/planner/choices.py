@@ -9,6 +9,7 @@ left unplanned (``zero_floors``). Nothing here builds a Plan: the kept candidate
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -274,21 +275,41 @@ def _cut_at(job: Job, planned: Candidate, units, prices, modes, m: int, grow: fl
     return None
 
 
+class _Scheduled(Job):
+    """``job`` planned with another pipeline schedule and virtual stage count: a Job of its own request
+    that reads ``job``'s captures (the schedule changes no trace)."""
+
+    def __init__(self, job: Job, schedule: str, virtual: int):
+        super().__init__(job.model, job.example_inputs,
+                         dataclasses.replace(job.request, schedule=schedule,
+                                             virtual_stages=virtual if schedule.startswith("Interleaved") else None))
+        self.capture = job.capture
+
+
 def auto_mesh(job: Job) -> tuple[Mesh, int, tuple[str, ...]]:
-    """The fastest (dp, pp, tp), or (dp, pp, cp, tp), that fits, its microbatch count, and the ranking
+    """The fastest (dp, pp, tp), or (dp, pp, cp, tp), that fits, with the pipeline schedule and virtual
+    stages ranked beside it (``mesh_search.schedule_options``), its microbatch count, and the ranking
     as plan notes; ``no_fit_error`` when none fits. Each mesh's candidate is planned as ``plan_mesh``
     plans it but for the ZeRO stages it cannot choose (``choose_zero``'s ``prune``), which only
-    the winner's notes list: the winner is planned again, in full."""
+    the winner's notes list: the winner is planned again, in full, with ``job.request`` now the
+    winner's schedule and virtual stages (a searched choice, like the mesh)."""
     req = job.request
     if not req.world_size:
         raise ValueError('mesh="auto" needs the number of devices: pass world_size= (the CLI\'s --gpus)')
+    jobs = {(req.schedule, req.virtual): job}
 
-    def candidate(mesh: Mesh, m: int) -> Candidate:
-        return choose_offload(job, mesh, m, zero=req.zero, offload=req.offload, prune=True)
+    def scheduled(schedule: str, virtual: int) -> Job:
+        if (schedule, virtual) not in jobs:
+            jobs[schedule, virtual] = _Scheduled(job, schedule, virtual)
+        return jobs[schedule, virtual]
+
+    def candidate(mesh: Mesh, m: int, schedule: str, virtual: int) -> Candidate:
+        return choose_offload(scheduled(schedule, virtual), mesh, m, zero=req.zero, offload=req.offload, prune=True)
     options, context = rank_meshes(req.world_size, job.example_inputs, price=candidate, capture=job.capture,
                                    memory_budget=req.limit, gpus_per_node=req.gpus_per_node,
                                    hsdp=req.zero == "auto" or req.zero in (1, 2, 3),   # ZeRO shards dp_shard
-                                   sequence_parallel=req.sequence_parallel)
+                                   sequence_parallel=req.sequence_parallel, schedule=req.schedule,
+                                   virtual=req.virtual_stages)
     table = ranking_table(options, context=context)
     best = options[0]
     if not best.fits:
@@ -302,4 +323,5 @@ def auto_mesh(job: Job) -> tuple[Mesh, int, tuple[str, ...]]:
                            ["mesh"] + [k for k in ("zero", "offload", "recompute") if getattr(req, k) == "auto"],
                            req.world_size, table, cp=closest.mesh.cp)
     note = f"mesh chosen automatically among {len(options)} candidates for {req.world_size} devices:\n{table}"
+    job.request = scheduled(best.schedule, best.virtual).request
     return best.mesh, best.microbatches, (note,)

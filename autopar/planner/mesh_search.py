@@ -1,8 +1,9 @@
-"""mesh="auto": every valid (dp, pp, tp), and cp where it can pay, for a world size, ranked by
-predicted step time.
+"""mesh="auto": every valid (dp, pp, tp), and cp where it can pay, with the pipeline schedules and
+microbatch counts that can pay, for a world size, ranked by predicted step time.
 
-All candidates use one microbatch size (``microbatch_size`` sequences; the rest of a dp
-rank's batch is microbatches), so the model is captured once. Each candidate is planned as
+Candidates are planned at one microbatch size (``microbatch_size`` sequences; the rest of a dp
+rank's batch is microbatches), so one capture serves them, but for the fewer microbatches below
+(Microbatches). Each candidate is planned as
 ``autopar.plan`` would plan it on that mesh (``price``), so its row in the ranking is that
 plan's predicted step time (``cost_model.terms.StepTerms.total``) and peak memory
 (``Plan.memory``): the winner's row and the winner's plan are one computation. A row also shows
@@ -17,17 +18,40 @@ replicas' all-reduce crosses nodes; its row names the mesh (r x s, pp, tp).
 
 Context parallelism (cp ranks per sequence, ``passes.context_parallel``) is ranked where the model
 allows it (causal attention, ``check_context``) for the cp that split the sequence into 2·cp
-chunks (``check_sequence``). For one (pp, tp), the ranks left, D = dp·cp, split the batch's
-tokens either way: every (D/cp, pp, cp, tp) gives each rank the same tokens and compute, while a
-larger cp adds its collectives (the keys and values gathered per attention, per microbatch: and
-with dp smaller there are more microbatches per rank, so more of them and more ZeRO gathers) and
-only saves memory (activations / cp). So per (pp, tp) cp rises from 1 only while no plan fits:
-the least cp whose plan fits the memory is the last one priced, and larger cp are not planned.
-(A plan's recompute choice weighs its cp memory, ``cost_model.memory``, so a larger cp that
-recomputes less can be faster than the least that fits: this rule does not price it.) A cp
-whose dp the batch does not divide is skipped as a dp would be. Rows with cp > 1 name the mesh
-(dp, pp, cpC, tp). A cp the model refuses is traced once and not ranked; the table says so in one
-line with the reason (``rank_meshes``' context).
+chunks (``check_sequence``). For one (pp, tp), the ranks left, D = dp·cp, split the batch's tokens
+either way: every (D/cp, pp, cp, tp) gives each rank the same tokens, while a larger cp adds its
+collectives and saves activation memory (activations / cp). So per (pp, tp) cp rises from 1 while
+no plan fits, or while the plan that fits pays for its memory in time (``_pays_for_memory``:
+recompute="auto" chose regions), since the next cp may fit with less recompute or none, as
+NVIDIA's recipes pay for memory with cp at 8k tokens, not recompute; it stops at the first cp that
+fits without recompute, or once one fitted and the next does not. This rule is not exact: a larger cp also drops dp's gradient sync for cp's, and the cost
+model prices a cp rank's ops at the whole sequence's matmul efficiency (``cost_model.context``),
+so a larger cp that the rule does not plan can be priced faster; planning every cp is complete but
+cost over 100 s for a 70B model on 64 GPUs. A cp whose dp the batch does not divide is
+skipped as a dp would be. Rows with cp > 1 name the mesh (dp, pp, cpC, tp). A cp the model
+refuses is traced once and not ranked; the table says so in one line with the reason
+(``rank_meshes``' context).
+
+Microbatches: every mesh is planned at one sequence per microbatch (one capture serves them all;
+with pipeline stages the recipes' micro-batch 1, the least bubble). Without pipeline stages fewer,
+larger microbatches do the same work in larger matmuls with fewer launches and ZeRO gathers, and
+keep more activations: a mesh whose row is the fastest fitting one so far is planned again at
+each count down the divisors of its own while the last fitted (``_fewer_microbatches``; each
+sequences-per-microbatch is one capture). Not exact, to bound the planning time (each larger
+microbatch is a capture of its own, seconds for a 70B model): a mesh slower at one sequence per
+microbatch than the best so far may be faster at fewer, and one microbatch, which holds no
+gradients through its forward, may fit where two did not.
+
+Pipeline schedules (``schedule_options``): each mesh with pp > 1 is planned with the request's
+schedule and, unless the request fixes ``virtual_stages``, interleaved at every virtual stage count v
+from 2 to ``VIRTUAL_MAX`` that the layer units and the microbatch count allow (pp·v units at least,
+microbatches a multiple of pp). The variants do the same work; interleaving only shrinks the
+fill/drain bubble ((p-1)/(v·m) of the work instead of (p-1)/m) while it adds point-to-point cuts and
+keeps more microbatch-chunks in flight (Korthikanti et al.'s 1 + (p-1)/(p·v)), so more memory and
+no less recompute. So a variant is planned only where its mesh's first plan, less its bubble, is
+faster than the fastest fitting plan ranked so far: no variant below that bound can win; and v
+rises only while its step falls (the bubble shrinks as 1/v, the cuts' point-to-point grows with v;
+not exact where the stage cut moves with v). Each planned variant is a row of its own ("I1F1B v5").
 """
 from __future__ import annotations
 
@@ -59,6 +83,8 @@ class MeshOption:
     offload: str = "none"
     kept_gathered: int = 0   # ZeRO-3's units kept gathered from forward to backward
     terms: dict | None = None   # the step time's terms (``StepTerms.as_dict``, seconds)
+    schedule: str = "1F1B"
+    virtual: int = 1         # pipeline stages per pp rank
 
 
 # the step's terms a row shows (``cost_model.terms.StepTerms``), and their column heads
@@ -84,6 +110,23 @@ def mesh_name(mesh: Mesh) -> str:
     dp = f"{mesh.dp_replicate}x{mesh.dp_shard}" if mesh.split else f"{mesh.dp}"
     cp = f"cp{mesh.cp}, " if mesh.cp > 1 else ""
     return f"({dp}, {mesh.pp}, {cp}{mesh.tp})"
+
+
+VIRTUAL_MAX = 8   # the most virtual stages per pp rank ranked (NVIDIA's 70B to 405B recipes use 5 to 8)
+
+
+def schedule_options(pp: int, units: int, microbatches: int, schedule: str, virtual) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) to plan a mesh with (module docstring): the request's ``schedule``
+    (``virtual``: the request's ``virtual_stages``, None when not given), then, with pp > 1 and
+    ``virtual`` not given, Interleaved1F1B (or the request's interleaved schedule) at each v from 2 to
+    VIRTUAL_MAX with pp·v <= ``units`` and ``microbatches`` a multiple of pp."""
+    interleaved = schedule.startswith("Interleaved")
+    first = [(schedule, virtual or (2 if interleaved else 1))]
+    if pp == 1 or virtual is not None or microbatches % pp:
+        return first
+    kind = schedule if interleaved else "Interleaved1F1B"
+    more = [(kind, v) for v in range(2, VIRTUAL_MAX + 1) if pp * v <= units]
+    return list(dict.fromkeys(first + more))
 
 
 def context_sizes(seq: int, data: int, *, tp: int = 1, sequence_parallel=False) -> tuple[list[int], str]:
@@ -118,15 +161,16 @@ def allows_context(cap, cp: int) -> str:
 
 def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budget: float,
                 gpus_per_node: int = 8, microbatch_size: int = 1, hsdp: bool = False,
-                sequence_parallel="auto") -> tuple[list[MeshOption], str]:
+                sequence_parallel="auto", schedule: str = "1F1B", virtual=None) -> tuple[list[MeshOption], str]:
     """Every (dp, pp, tp) with dp * pp * tp == world_size that the model and batch allow, and the
-    (dp, pp, cp, tp) the module docstring says can pay, fastest fitting mesh first; with a line
-    saying which cp the sequence allows and one per reason the model refused a cp (those cp are
-    not ranked; ``allows_context``).
+    (dp, pp, cp, tp) the module docstring says can pay, each with the pipeline schedules it says can
+    pay (``schedule_options`` of the request's ``schedule`` and ``virtual`` stages), fastest fitting
+    first; with a line saying which cp the sequence allows and one per reason the model refused a
+    cp (those cp are not ranked; ``allows_context``).
 
-    ``price(mesh, microbatches)``: the candidate's plan before it is built (a ``Candidate``: its
-    ``step_time``, ``peak_memory``, ``terms`` and ``choices``, those its Plan will have), or a
-    ValueError saying why none fits (no stage cut, or no recompute choice, within the memory);
+    ``price(mesh, microbatches, schedule, virtual)``: the candidate's plan before it is built (a
+    ``Candidate``: its ``step_time``, ``peak_memory``, ``terms`` and ``choices``, those its Plan will
+    have), or a ValueError saying why none fits (no stage cut, or no recompute choice, within the memory);
     ``capture(inputs)``: the model traced at one microbatch, for the checks a mesh must pass before
     it is planned (tp divides the heads, pp at most the layer units, the model allows cp); ``memory_budget``: bytes per
     device; ``hsdp``: also rank each multi-node dp split as HSDP (``hsdp_split``);
@@ -160,10 +204,16 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
                         continue
                 plain = Mesh(dp, pp, tp, cp=cp)
                 split = hsdp_split(plain, gpus_per_node) if hsdp else None
-                rows = [_priced(mesh, m, price, memory_budget) for mesh in ((plain, split) if split else (plain,))]
+                rows = []
+                for mesh in (plain, split) if split else (plain,):
+                    rows += _variants(mesh, m, price, memory_budget, out + rows,
+                                      schedule_options(pp, len(units), m, schedule, virtual))
+                for o in list(rows):
+                    rows += _fewer_microbatches(o, price, memory_budget, out + rows)
                 out += rows
-                if any(o.fits for o in rows):
-                    break   # a larger cp does the same work per rank with more collectives (module docstring)
+                if any(o.fits and not _pays_for_memory(o) for o in rows) or (
+                        not any(o.fits for o in rows) and any(o.fits for o in out if (o.mesh.pp, o.mesh.tp) == (pp, tp))):
+                    break   # the rise of cp stops (module docstring)
     if not out:
         raise PlanError(f"no (dp, pp, tp) for {world_size} devices suits this model and a batch of {batch}")
     out.sort(key=lambda o: (not o.fits, o.step_time, o.peak_memory))
@@ -180,21 +230,72 @@ def _context_lines(seq, world_size: int, refused: dict) -> str:
         if reason:
             why_not.setdefault(reason, []).append(str(cp))
     return "\n".join([f"{context_sizes(seq, world_size)[1]}; a cp is planned where the meshes of less cp with "
-                      f"its pp and tp do not fit"]
+                      f"its pp and tp do not fit, or fit by recomputing"]
                      + [f"cp {', '.join(cps)} not ranked, the model refuses it: {reason}"
                         for reason, cps in why_not.items()])
 
 
-def _priced(mesh: Mesh, m: int, price, memory_budget: float) -> MeshOption:
-    """The ranking's row of ``mesh`` at ``m`` microbatches: its plan's figures, or why none fits."""
+def _fewer_microbatches(o: MeshOption, price, memory_budget: float, ranked: list[MeshOption]) -> list[MeshOption]:
+    """Rows of ``o``'s mesh, if it fits without pipeline stages and is the fastest fitting row so far
+    (among ``ranked``), planned at fewer, larger microbatches (module docstring): each count down the
+    divisors of its count while the last fitted."""
+    out = []
+    best = min((r.step_time for r in ranked if r.fits and r is not o), default=math.inf)
+    if not (o.fits and o.mesh.pp == 1 and o.step_time < best):
+        return out
+    for count in (k for k in range(o.microbatches - 1, 0, -1) if o.microbatches % k == 0):
+        out.append(_priced(o.mesh, count, price, memory_budget, o.schedule, o.virtual))
+        if not out[-1].fits:
+            break
+    return out
+
+
+def _pays_for_memory(o: MeshOption) -> bool:
+    """Whether a fitting row pays for its memory in time: recompute="auto" chose regions, which a
+    larger cp (less activation memory per rank) may spare (module docstring)."""
+    return o.recompute == "auto" and o.recompute_regions > 0
+
+
+def _variants(mesh: Mesh, m: int, price, memory_budget: float, ranked: list[MeshOption], schedules) -> list[MeshOption]:
+    """The rows of ``mesh`` at ``m`` microbatches: the first of ``schedules`` planned, then each other
+    one while the first's step less its bubble is below the fastest fitting step among ``ranked``
+    and these rows (the module docstring's bound)."""
+    first, *others = schedules
+    rows = [_priced(mesh, m, price, memory_budget, *first)]
+    base = rows[0]
+    if not others or not base.terms:
+        return rows
+    floor = base.step_time - base.terms.get("bubble", 0.0)
+    for sched in others:
+        best = min((o.step_time for o in ranked + rows if o.fits), default=math.inf)
+        if floor >= best:
+            break
+        rows.append(_priced(mesh, m, price, memory_budget, *sched))
+        if len(rows) > 2 and rows[-1].step_time >= rows[-2].step_time:
+            break   # v past its best: its bubble falls as 1/v while its cuts' point-to-point grows with v
+    return rows
+
+
+def _priced(mesh: Mesh, m: int, price, memory_budget: float, schedule: str, virtual: int) -> MeshOption:
+    """The ranking's row of ``mesh`` at ``m`` microbatches with ``schedule`` and ``virtual`` stages per
+    pp rank: its plan's figures, or why none fits."""
     try:
-        candidate = price(mesh, m)
+        candidate = price(mesh, m, schedule, virtual)
     except ValueError as e:
-        return MeshOption(mesh, m, math.inf, math.inf, False, str(e))
+        return MeshOption(mesh, m, math.inf, math.inf, False, str(e), schedule=schedule, virtual=virtual)
     peak, c = candidate.peak_memory, candidate.choices
     return MeshOption(mesh, m, candidate.step_time, peak, peak <= memory_budget, zero=c.zero, recompute=c.recompute,
                       recompute_regions=len(c.recompute_regions), offload=c.offload,
-                      kept_gathered=len(c.keep_gathered), terms=candidate.terms.as_dict())
+                      kept_gathered=len(c.keep_gathered), terms=candidate.terms.as_dict(),
+                      schedule=c.schedule, virtual=c.virtual_stages)
+
+
+def schedule_name(o: MeshOption) -> str:
+    """A row's schedule: "-" without pipeline stages, else its name, interleaved ones short with their
+    virtual stages ("I1F1B v5")."""
+    if o.mesh.pp == 1:
+        return "-"
+    return f"I{o.schedule[len('Interleaved'):]} v{o.virtual}" if o.schedule.startswith("Interleaved") else o.schedule
 
 
 def _choices(o: MeshOption) -> tuple[str, str, str]:
@@ -212,7 +313,7 @@ def ranking_table(options: list[MeshOption], limit: int = 12, context: str = "")
     ``Candidate.terms``), peak memory,
     fit (the figures to the digits ``Plan.summary`` prints them with), ``context`` (which cp were
     ranked and a line per reason the model refused a cp, ``rank_meshes``), then why the first won."""
-    head = (f"{'rank':>4s}  {'mesh (dp,pp,tp)':18s} {'microbatches':>12s} {'zero':>5s} {'recompute':>9s} "
+    head = (f"{'rank':>4s}  {'mesh (dp,pp,tp)':18s} {'schedule':>10s} {'microbatches':>12s} {'zero':>5s} {'recompute':>9s} "
             f"{'offload':>9s} {'step ms':>11s} " + " ".join(f"{_HEADS.get(t, t):>10s}" for t in TERMS)
             + f" {'peak GiB':>9s}  fits")
     lines = [head]
@@ -221,7 +322,7 @@ def ranking_table(options: list[MeshOption], limit: int = 12, context: str = "")
         peak = f"{o.peak_memory / 2**30:9.3f}" if np.isfinite(o.peak_memory) else f"{'-':>9s}"
         terms = " ".join(f"{o.terms.get(t, 0.0) * 1e3:10.3f}" if o.terms else f"{'-':>10s}" for t in TERMS)
         zero, recompute, offload = _choices(o) if o.terms else ("-", "-", "-")
-        lines.append(f"{k + 1:4d}  {mesh_name(o.mesh):18s} {o.microbatches:12d} {zero:>5s} "
+        lines.append(f"{k + 1:4d}  {mesh_name(o.mesh):18s} {schedule_name(o):>10s} {o.microbatches:12d} {zero:>5s} "
                      f"{recompute:>9s} {offload:>9s} {step} {terms} {peak}  {'yes' if o.fits else 'no'}")
     if len(options) > limit:
         lines.append(f"      ... and {len(options) - limit} more")
@@ -257,11 +358,15 @@ def ranking_reason(options: list[MeshOption]) -> str:
 
 def _cp_reason(best: MeshOption, options: list[MeshOption]) -> str:
     """Why the winner splits its sequences over cp > 1 ranks: what the ranked meshes of its (pp, tp)
-    with less cp needed (``rank_meshes`` plans a larger cp only when these do not fit), or that
+    with less cp needed, or that they were slower (they fit by paying for memory, ``rank_meshes``), or that
     none took the batch (a larger dp needs more sequences)."""
     if best.mesh.cp == 1:
         return ""
     less = [o for o in options if (o.mesh.pp, o.mesh.tp) == (best.mesh.pp, best.mesh.tp) and o.mesh.cp < best.mesh.cp]
+    fitting = [o for o in less if o.fits]
+    if fitting:
+        rows = ", ".join(f"{mesh_name(o.mesh)} {o.step_time * 1e3:.3f} ms" for o in fitting)
+        return f"; less cp at pp={best.mesh.pp}, tp={best.mesh.tp} fits only by recomputing, and is slower ({rows})"
     text = f"; cp {best.mesh.cp} is the least cp at pp={best.mesh.pp}, tp={best.mesh.tp} that "
     if not less:
         return text + "the batch allows (less cp needs a larger dp, and more sequences)"

@@ -39,7 +39,7 @@ from autopar.planner.request import Job, local_inputs
 from autopar.planner.reshard import choose_kept
 from autopar.planner.sharding import (Assignment, check_tp, enumerate_strategies, sequence_parallel_notes,
                                       sequence_sharded, sharding_record, solve, strategies_from_plan, with_regather)
-from autopar.planner.stage_cut import choose_cut
+from autopar.planner.stage_cut import NoCutFits, choose_cut
 from autopar.plans import StagePlan, offload_limit, zero_on_mesh
 
 
@@ -156,9 +156,13 @@ def _priced(base: _Base, strategies: dict, recompute: str, kept=(), bounds=None,
                                zero=c.zero, microbatches=c.microbatches, gpus_per_node=req.gpus_per_node, kept=kept,
                                cp_attention=c.cp_attention)
     regions = base.regions if regions is None else regions
+    rank_nodes, rank_share = None, 1.0   # the attentions and the share of the parameters whose cp traffic is priced
     if mesh.pp > 1:
-        cut, work, dp, dp_units = _pipelined(base, strategies, recompute, regions, kept, bounds, recut)
+        cut, work, dp, dp_units, rank = _pipelined(base, strategies, recompute, regions, kept, bounds, recut)
         bounds = cut.bounds
+        units = layer_units(cap)
+        rank_nodes = frozenset(n for k in rank for n in units[k].nodes)
+        rank_share = min(1.0, dp_units[0] / sharding.local_bytes) if sharding.local_bytes else 1.0
     else:
         (work, dp, dp_units), bounds = _flat(base, strategies, sharding, kept), ()
     if regions is None:
@@ -168,7 +172,8 @@ def _priced(base: _Base, strategies: dict, recompute: str, kept=(), bounds=None,
                         attention=c.cp_attention)
     update, host = plan_update_terms(memory, mesh, c.zero, c.precision, dev, offload=c.offload != "none")
     cp = cp_seconds(cap, strategies, mesh.cp, mesh.tp, dev, req.gpus_per_node, c.microbatches, c.cp_attention,
-                    sharding.collectives, frozenset(n.name for r in regions for n in r))
+                    sharding.collectives, frozenset(n.name for r in regions for n in r), nodes=rank_nodes,
+                    sync_share=rank_share)
     stages = ()
     if mesh.pp > 1:
         units = layer_units(cap)
@@ -200,8 +205,9 @@ def _flat(base: _Base, strategies: dict, sharding, kept) -> tuple[dict, float, t
 
 def _pipelined(base: _Base, strategies: dict, recompute: str, regions, kept, bounds, recut: bool = True):
     """With pipeline stages: the cut (``bounds``, else the cost model's or ``stages=``), the busiest
-    pipeline rank's compute, tp, pp and bubble (``pipeline_split``), the dp sync and what it was
-    priced from. The cut prices each unit's activations with ``regions`` recomputed, or those
+    pipeline rank's compute, tp, pp and bubble (``pipeline_split``), the dp sync, what it was
+    priced from, and the units of the pipeline rank it was priced for (``rank_units``: its
+    attentions and parameters are the ones whose cp traffic the step counts). The cut prices each unit's activations with ``regions`` recomputed, or those
     ``recompute`` names; under recompute="auto", with none when a cut fits so, else with every
     block recomputed (the least any choice keeps); ``_chosen_regions`` then chooses per block."""
     cap, req, c = base.cap, base.job.request, base.choices
@@ -225,14 +231,12 @@ def _pipelined(base: _Base, strategies: dict, recompute: str, regions, kept, bou
     if bounds is None and regions is None and recompute == "auto":
         try:
             static, cut = cut_with(regions_for(cap, "none"))
-        except PlanError:   # the stages= override itself is wrong: recompute does not mend it
-            raise
-        except ValueError:   # no cut fits without recompute
+        except NoCutFits:   # no cut fits without recompute
             static, cut = cut_with(regions_for(cap, "full"))
     else:
         static, cut = cut_with(regions if regions is not None else regions_for(cap, recompute))
     return cut, pipeline_work(cut, tp, boundary, mesh.pp, c.microbatches, c.virtual_stages), \
-        *_rank_dp(base, time, static, cut.bounds, units, kept)
+        *_rank_dp(base, time, static, cut.bounds, units, kept), rank_units(static, cut.bounds, mesh)
 
 
 def pipeline_work(cut, tp, boundary, pp: int, microbatches: int, virtual: int) -> dict:

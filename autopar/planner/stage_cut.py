@@ -10,15 +10,25 @@ again with its budget lowered by the miss below the cut's own figure, until a cu
 left. Every cut it is asked again for fits the budget by the DP's figure, so the answer is the
 fastest cut the DP finds whose peak fits (exact where the transients of the cuts it passes over
 are alike, as a model's repeated blocks make them).
+
+Where no cut fits, the refusal (``NoCutFits``, a ``PlanError``) names the memory model's peak, the
+figure a plan's summary shows: of the cut the DP's figure missed by least when it found one, else of
+the cut of least DP memory (``stage_dp.BudgetMissed``), never the DP's bound alone.
 """
 from __future__ import annotations
 
+from autopar.errors import PlanError
 from autopar.graph.capture import Captured
 from autopar.graph.units import Unit, layer_units, override_bounds, stage_of_nodes
 from autopar.planner.sharding import enumerate_strategies, strategies_from_plan
-from autopar.planner.stage_dp import StageCut, cut_stages, evaluate_cut
+from autopar.planner.stage_dp import BudgetMissed, StageCut, cut_stages, evaluate_cut
 
 _GIB = float(2 ** 30)
+
+
+class NoCutFits(PlanError):
+    """No pipeline stage cut fits the memory budget (recompute or more stages may mend it, unlike the
+    other PlanErrors of a cut: a wrong ``stages=``)."""
 
 
 def choose_cut(costs, units: list[Unit], mesh, *, schedule: str, microbatches: int, virtual: int,
@@ -38,13 +48,15 @@ def choose_cut(costs, units: list[Unit], mesh, *, schedule: str, microbatches: i
     while True:
         try:
             cut = cut_stages(time, static, act, boundary, memory_budget=budget, **kw)
-        except ValueError:
-            if missed is None:
-                raise
-            raise ValueError(f"the pipeline needs {missed / _GIB:.4g} GiB per rank with the best cut found under "
-                             f"{schedule} (pp={mesh.pp}, v={virtual}, {microbatches} microbatches), its backward's "
-                             f"transient included, but the memory budget is {memory_budget / _GIB:.4g} GiB; use "
-                             "more pipeline stages, tensor parallelism or recompute") from None
+        except BudgetMissed as e:
+            if peaks is None:
+                raise NoCutFits(str(e)) from None
+            if missed is None:   # the DP's figure misses with every cut: the peak of its least-memory cut
+                missed = max(peaks(e.least))
+            raise NoCutFits(f"the pipeline needs {missed / _GIB:.4g} GiB per rank with the least-memory cut found under "
+                            f"{schedule} (pp={mesh.pp}, v={virtual}, {microbatches} microbatches), its backward's "
+                            f"transient included, but the memory budget is {memory_budget / _GIB:.4g} GiB; use "
+                            "more pipeline stages, tensor parallelism or recompute") from None
         if peaks is None or memory_budget is None:
             return cut
         peak = max(peaks(cut.bounds))
@@ -52,8 +64,8 @@ def choose_cut(costs, units: list[Unit], mesh, *, schedule: str, microbatches: i
             return cut
         missed = peak if missed is None else min(missed, peak)
         if not recut:
-            raise ValueError(f"the pipeline's fastest cut needs {peak / _GIB:.4g} GiB per rank, its backward's "
-                             f"transient included, but the memory budget is {memory_budget / _GIB:.4g} GiB")
+            raise NoCutFits(f"the pipeline's fastest cut needs {peak / _GIB:.4g} GiB per rank, its backward's "
+                            f"transient included, but the memory budget is {memory_budget / _GIB:.4g} GiB")
         budget = max(cut.rank_memory) - (peak - memory_budget)
 
 

@@ -128,7 +128,7 @@ import numpy as np
 
 from autopar.cost_model.stages import SCHEDULES, check_schedule, inflight_microbatches, pipeline_time, posint
 
-__all__ = ["SCHEDULES", "StageCut", "cut_stages", "evaluate_cut", "bubble_fraction",
+__all__ = ["SCHEDULES", "StageCut", "BudgetMissed", "cut_stages", "evaluate_cut", "bubble_fraction",
            "inflight_microbatches", "min_peak_memory", "SEARCH_LIMIT"]
 
 _MEM_RTOL = 1e-9
@@ -145,6 +145,14 @@ class StageCut:
     gap: float = 0.0                      # proven bound on (step_time - optimum) / step_time;
                                           # 0 = optimal (always for v = 1 and complete searches),
                                           # inf = no bound proven
+
+
+class BudgetMissed(ValueError):
+    """No cut fits the memory budget; ``least`` is the cut of least per-rank memory found."""
+
+    def __init__(self, message: str, least):
+        super().__init__(message)
+        self.least = least
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -647,15 +655,15 @@ def cut_stages(time, static_mem, act_mem, boundary, *, p, m, v=1, schedule="1F1B
         else:
             gap = bb.gap()
     if bounds is None:
-        need, _, low = _min_peak(t, w, a, c, p, m, v, f)
+        need, least, low = _min_peak(t, w, a, c, p, m, v, f)
         exact = need <= low * (1.0 + 1e-9)
         needs = (f"needs at least {_gib(need)} ({need:.6g} bytes) per rank" if exact else
                  f"needs {_gib(need)} ({need:.6g} bytes) per rank with the best cut found (no cut "
                  f"needs less than {_gib(low)})")
-        raise ValueError(
+        raise BudgetMissed(
             f"the pipeline {needs} under {schedule} (pp={p}, v={v}, {m} microbatches), but the "
             f"memory budget is {_gib(memory_budget)} ({memory_budget:.6g} bytes); use more "
-            f"pipeline stages, tensor parallelism or recompute")
+            f"pipeline stages, tensor parallelism or recompute", least)
     cut = evaluate_cut(bounds, t, w, a, c, p=p, m=m, v=v, schedule=schedule)
     assert all(_fits(x, memory_budget) for x in cut.rank_memory)
     return StageCut(cut.bounds, cut.stage_times, cut.rank_memory, cut.step_time, gap)

@@ -9,10 +9,10 @@ import pytest
 import autopar
 from autopar.examples.gpt import build, example_inputs
 
-# rank, mesh (dp or HSDP's "r x s", pp, tp), microbatches, zero ("3 k5": 5 units kept gathered),
+# rank, mesh (dp or HSDP's "r x s", pp, tp), schedule (not captured), microbatches, zero ("3 k5": 5 units kept gathered),
 # recompute ("auto 12": regions), offload,
 # step ms, its terms (compute, tp, cp, pp, dp, bubble, update, host), peak GiB, fits
-ROW = re.compile(r"^\s*\d+\s+\((\d+(?:x\d+)?), (\d+), (\d+)\)\s+(\d+)\s+(\d(?: k\d+)?)\s+(none|selective|full|auto \d+)"
+ROW = re.compile(r"^\s*\d+\s+\((\d+(?:x\d+)?), (\d+), (\d+)\)\s+(?:-|GPipe|1F1B|I\w+ v\d+)\s+(\d+)\s+(\d(?: k\d+)?)\s+(none|selective|full|auto \d+)"
                  r"\s+(none|optimizer)\s+([\d.]+)((?:\s+-?[\d.]+){8})\s+([\d.]+)\s+(yes|no)$")
 
 
@@ -26,6 +26,20 @@ def _rows(note: str):
     """(mesh, microbatches, step ms, peak GiB) per ranked row, as printed."""
     return [((_dp(m[1]), int(m[2]), int(m[3])), int(m[4]), m[8], m[10])
             for m in map(ROW.match, note.splitlines()) if m]
+
+
+SCHEDULE = re.compile(r"\)\s+(-|GPipe|1F1B|I(\w+) v(\d+))\s")
+
+
+def _schedules(note: str) -> list[dict]:
+    """The schedule knobs of each ranked row (``_rows``' order): {} without pipeline stages."""
+    out = []
+    for line in note.splitlines():
+        if ROW.match(line):
+            m = SCHEDULE.search(line)
+            out.append({} if m[1] == "-" else dict(schedule=m[1]) if not m[2] else
+                       dict(schedule=f"Interleaved{m[2]}", virtual_stages=int(m[3])))
+    return out
 
 
 def _table(plan) -> str:
@@ -45,8 +59,8 @@ def test_each_ranked_row_is_the_plan_of_its_mesh():
     mesh, m, step, peak = rows[0]
     assert (mesh, m) == (tuple(chosen.mesh), chosen.microbatches)
     assert (step, peak) == _printed(chosen)
-    for mesh, m, step, peak in rows[1:4]:
-        assert (step, peak) == _printed(autopar.plan(model, mesh, inputs, microbatches=m)), mesh
+    for (mesh, m, step, peak), knobs in list(zip(rows, _schedules(_table(chosen))))[1:4]:
+        assert (step, peak) == _printed(autopar.plan(model, mesh, inputs, microbatches=m, **knobs)), mesh
 
 
 def _gpt2():
@@ -111,12 +125,13 @@ def test_no_mesh_fits_names_the_smallest_peak_and_what_to_change():
                        r"\((\d+), (\d+), (\d+)\), zero=(\d), recompute=auto \((\d+) regions\), offload=none", text)
     assert peaks, text
     assert "after choosing mesh, zero, recompute" in text and "--gpus 8" in text and "memory_budget of at least" in text
-    # the smallest peak is the least of the ranked rows' (the table follows the message)
+    # the smallest peak is at most the least of the rows the table shows (it follows the message, ranked by
+    # step time: each mesh at every microbatch count that could fit, the least-memory ones may be cut off)
     rows = [float(m[10]) for m in map(ROW.match, text.splitlines()) if m]
-    assert rows and float(peaks[0][0]) == pytest.approx(min(rows), abs=6e-3)
+    assert rows and float(peaks[0][0]) <= min(rows) + 6e-3
 
 
-HSDP_ROW = re.compile(r"^\s*\d+\s+\((\d+)x(\d+), (\d+), (\d+)\)\s+(\d+)\s+(\d(?: k\d+)?)\s+(none|selective|full|auto \d+)"
+HSDP_ROW = re.compile(r"^\s*\d+\s+\((\d+)x(\d+), (\d+), (\d+)\)\s+(?:-|GPipe|1F1B|I\w+ v\d+)\s+(\d+)\s+(\d(?: k\d+)?)\s+(none|selective|full|auto \d+)"
                       r"\s+(none|optimizer)\s+([\d.]+)((?:\s+-?[\d.]+){8})\s+([\d.]+)\s+(yes|no)$")
 
 
@@ -137,7 +152,7 @@ def test_a_dp_across_nodes_is_ranked_split_as_hsdp_too():
 
 # ---- context parallelism in the ranking ----------------------------------------------------------
 
-CP_ROW = re.compile(r"^\s*\d+\s+\((\d+), (\d+), cp(\d+), (\d+)\)\s+(\d+)\s+(\d(?: k\d+)?)\s+(none|selective|full|auto \d+)"
+CP_ROW = re.compile(r"^\s*\d+\s+\((\d+), (\d+), cp(\d+), (\d+)\)\s+(?:-|GPipe|1F1B|I\w+ v\d+)\s+(\d+)\s+(\d(?: k\d+)?)\s+(none|selective|full|auto \d+)"
                     r"\s+(none|optimizer)\s+([\d.]+)((?:\s+-?[\d.]+){8})\s+([\d.]+)\s+(yes|no)$")
 
 
@@ -186,7 +201,7 @@ def test_a_memory_budget_pushes_cp_up():
     budget = (cp_peak + dp_peak) / 2
     tight = autopar.plan(model, "auto", inputs, world_size=2, memory_budget=budget)
     assert (tuple(tight.mesh), tight.cp) == ((1, 1, 1), 2)
-    [(mesh, m, step, peak, _)] = _cp_rows(tight)
+    [(mesh, m, step, peak, _)] = [row for row in _cp_rows(tight) if float(row[3]) * 2**30 <= budget]
     assert (mesh, m) == ((1, 1, 2, 1), 2) and (step, peak) == _printed(tight)
     why = _table(tight).splitlines()[-1]
     assert f"cp 2 is the least cp at pp=1, tp=1 that fits ((2, 1, 1) needs {dp_peak / 2**30:.2f} GiB)" in why
