@@ -8,9 +8,11 @@ one rank of it is run here (``autopar.rehearse``) on a tiny batch: only its shar
 the gathered weights of the units it runs. The script prints the rehearsal (compute, peak memory
 and collectives against the plan's) and the process's maximum resident memory against the full
 model's bytes, and fails if that maximum reaches a quarter of them. Measured on a 2-core, 24 GiB
-machine (torch 2.13, aot_eager): about 3 minutes, 2.9 GiB resident at most; the rank's peak 4.39 GiB
-by the allocator (gathered outputs a world moving no data never writes stay unresident), the plan
-predicted 4.64 GiB.
+machine shared with other work (torch 2.13, aot_eager): 2 to 3 minutes, 3.8 GiB resident at most;
+the rank's peak 4.39 GiB by the CPU allocator (a gathered output a world moving no data never
+writes stays unresident), the plan predicted 4.64 GiB (x0.95). Its report also shows the plan
+pricing 98.5 MiB of backward re-gather that the program never issues (the vocabulary-parallel
+embedding, whose backward needs no weight).
 """
 from __future__ import annotations
 
