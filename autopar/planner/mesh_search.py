@@ -23,14 +23,14 @@ either way: every (D/cp, pp, cp, tp) gives each rank the same tokens, while a la
 collectives and saves activation memory (activations / cp). So per (pp, tp) cp rises from 1 while
 no plan fits, or while the plan that fits pays for its memory in time (``_pays_for_memory``:
 recompute="auto" chose regions), since the next cp may fit with less recompute or none, as
-NVIDIA's recipes pay for memory with cp at 8k tokens, not recompute; it stops at the first cp that
-fits without recompute, or once one fitted and the next does not. This rule is not exact: a larger cp also drops dp's gradient sync for cp's, and the cost
-model prices a cp rank's ops at the whole sequence's matmul efficiency (``cost_model.context``),
-so a larger cp that the rule does not plan can be priced faster; planning every cp is complete but
-cost over 100 s for a 70B model on 64 GPUs. A cp whose dp the batch does not divide is
-skipped as a dp would be. Rows with cp > 1 name the mesh (dp, pp, cpC, tp). A cp the model
-refuses is traced once and not ranked; the table says so in one line with the reason
-(``rank_meshes``' context).
+NVIDIA's recipes pay for memory with cp at 8k tokens, not recompute; it stops at the first cp
+that fits without recompute, or once one fitted and the next does not. This rule is not exact: a
+larger cp also swaps dp's gradient sync for cp's, and the cost model prices a cp rank's ops at the
+whole sequence's matmul efficiency (``cost_model.context``), so a larger cp that the rule does not
+plan can be priced faster; planning every cp is complete but cost over 100 s for a 70B model on
+64 GPUs. A cp whose dp the batch does not divide is skipped as a dp would be. Rows with cp > 1
+name the mesh (dp, pp, cpC, tp). A cp the model refuses is traced once and not ranked; the table
+says so in one line with the reason (``rank_meshes``' context).
 
 Microbatches: every mesh is planned at one sequence per microbatch (one capture serves them all;
 with pipeline stages the recipes' micro-batch 1, the least bubble). Without pipeline stages fewer,
@@ -259,7 +259,8 @@ def _pays_for_memory(o: MeshOption) -> bool:
 def _variants(mesh: Mesh, m: int, price, memory_budget: float, ranked: list[MeshOption], schedules) -> list[MeshOption]:
     """The rows of ``mesh`` at ``m`` microbatches: the first of ``schedules`` planned, then each other
     one while the first's step less its bubble is below the fastest fitting step among ``ranked``
-    and these rows (the module docstring's bound)."""
+    and these rows (the module docstring's bound), and until a fitting variant is no faster than
+    the fitting one before it."""
     first, *others = schedules
     rows = [_priced(mesh, m, price, memory_budget, *first)]
     base = rows[0]
@@ -271,7 +272,7 @@ def _variants(mesh: Mesh, m: int, price, memory_budget: float, ranked: list[Mesh
         if floor >= best:
             break
         rows.append(_priced(mesh, m, price, memory_budget, *sched))
-        if len(rows) > 2 and rows[-1].step_time >= rows[-2].step_time:
+        if len(rows) > 2 and rows[-1].fits and rows[-2].fits and rows[-1].step_time >= rows[-2].step_time:
             break   # v past its best: its bubble falls as 1/v while its cuts' point-to-point grows with v
     return rows
 
