@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from autopar.graph.precision import compute_dtype
 from autopar.mesh import Mesh
 from autopar.placement import local_shape
 
 from .comm import axis_links, collective_time
 from .compute import offload_update_time, update_time
 from .memo import cached, strategies_of
+from .state import state_bytes, state_shards
 from .strategy import OP_OVERHEAD, strategy_time
 from .terms import StepTerms
 
@@ -243,25 +245,28 @@ def param_byte_time(mesh, dev, *, zero: int, working_copy: bool, gpus_per_node: 
 def update_terms(param_bytes: float, mesh, dev, zero: int, working_copy: bool, *,
                  offload: bool = False) -> tuple[float, float]:
     """(update, offload) seconds of a rank holding ``param_bytes`` of fp32 parameters, its optimizer
-    state sharded over dp_shard (all of dp unless it is split) from ZeRO-1 on: the device's AdamW
-    and 16-bit casts (``update_time``), and with ``offload`` the host's step in their stead
-    (``offload_update_time``, over the fp32 parameters it steps)."""
-    shards = mesh.dp_shard if zero else 1
+    state sharded from ZeRO-1 on over the ranks ``cost_model.state.state_shards`` names (dp_shard;
+    dp x cp for the 16-bit distributed optimizer): the device's AdamW and 16-bit casts
+    (``update_time``), and with ``offload`` the host's step in their stead (``offload_update_time``,
+    over the fp32 parameters it steps)."""
+    shards = state_shards(mesh, zero, working_copy, offload) if zero else 1
     device = update_time(param_bytes, dev, working_copy=working_copy, optimizer_shards=shards, offload=offload)
     return device, offload_update_time(param_bytes / 4 / shards, dev) if offload else 0.0
 
 
 def plan_update_terms(memory, mesh, zero: int, precision: str, dev, *, offload: bool = False) -> tuple[float, float]:
     """``update_terms`` of the pipeline rank holding the most parameters, read off its stages'
-    ``memory`` (a plan's MemoryPlans): AdamW state is two fp32 moments per fp32 parameter, 1/dp of
-    them (1/dp_shard with a split dp) from ZeRO-1 on; offloaded, the host holds them with the fp32
-    master (``MemoryPlan.host``: three fp32 numbers per parameter). ``mesh``: a Mesh, or a plan's
-    (dp, pp, tp) (dp then unsplit)."""
+    ``memory`` (a plan's MemoryPlans): their optimizer bytes (offloaded, their host bytes) over what
+    the memory model holds of them per fp32 parameter byte (``cost_model.state.state_bytes``: two
+    moments, at 16 bits with the fp32 master, over the ranks they are sharded on). ``mesh``: a Mesh,
+    or a plan's (dp, pp, tp) (dp then unsplit)."""
     mesh = Mesh.parse(mesh)
     pp = mesh.pp
-    shards = mesh.dp_shard if zero else 1
-    per_rank = [sum(m.host / 3 if offload else m.optimizer / 2 for m in memory if m.stage % pp == r) * shards
-                for r in range(pp)]
+    working_copy = 0.0 if precision == "fp32" else compute_dtype(precision).itemsize / 4   # per stored fp32 byte
+    per = state_bytes(zero, state_shards(mesh, zero, working_copy, offload), working_copy, offload)
+    held = per.host if offload else per.optimizer
+    per_rank = [sum(m.host if offload else m.optimizer for m in memory if m.stage % pp == r) / held
+                for r in range(pp)] if held else [0.0]
     return update_terms(max(per_rank, default=0.0), mesh, dev, zero, precision != "fp32", offload=offload)
 
 
