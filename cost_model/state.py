@@ -185,12 +185,25 @@ def regathers(unit, shared: set[str]) -> bool:
     """Whether ZeRO-3 gathers some of ``unit``'s weights again in its backward: those of its linears
     (``passes.zero``: each takes its own weight's shard), but not a weight several units share
     (``shared``, FQNs: gathered once and kept) nor any other op's (gathered once per unit)."""
+    return any(_regathered(unit, shared))
+
+
+def _regathered(unit, shared: set[str]):
+    """The FQNs of ``unit``'s weights that ZeRO-3 gathers again in its backward (``regathers``)."""
     for n in unit.nodes:
         if n.target is aten.linear.default and len(n.args) > 1 and isinstance(n.args[1], Node):
             weight = graph_input(n.args[1])
             if weight is not None and weight.meta.get("kind") == "param" and weight.meta.get("fqn") not in shared:
-                return True
-    return False
+                yield weight.meta["fqn"]
+
+
+def regathered_bytes(cap, strategies, units, tp: int) -> list[float]:
+    """Per unit of ``units``, the local (tp) bytes ZeRO-3 gathers again in its backward: its
+    linears' weights (``passes.zero``) that no other unit shares (``regathers``' rule); a norm's,
+    an embedding's or a tied table's are gathered once and kept."""
+    everything = local_param_bytes(cap, strategies, tuple(cap.params), tp)
+    shared = shared_params(cap, everything)
+    return [sum(everything[f] for f in dict.fromkeys(_regathered(unit, shared))) for unit in units]
 
 
 def host_state(cap, strategies, mesh, nodes, zero: int) -> float:

@@ -88,7 +88,7 @@ def dp_sync_bytes(kind: str, param_bytes: float, zero: int, gathered: float) -> 
 
 
 def dp_sync_time(param_bytes: float, mesh, dev, zero: int, gpus_per_node: int, *, microbatches: int = 1,
-                 gathered: float = 1.0, units=None, kept=()) -> float:
+                 gathered: float = 1.0, units=None, kept=(), regathered=None) -> float:
     """Seconds of the dp collectives over one rank's ``param_bytes`` of weights (``dp_sync_kinds``),
     one bucketed collective per kind, per step (ZeRO-0/1) or per microbatch (ZeRO-2/3), none of it
     overlapped with compute.
@@ -96,7 +96,8 @@ def dp_sync_time(param_bytes: float, mesh, dev, zero: int, gpus_per_node: int, *
     ``units``: (parameter bytes, forward+backward compute seconds) of each unit the rank runs, one
     microbatch, in forward order. Given, ZeRO-2/3's collectives are priced per unit as the graph
     issues them, and only the part that prefetch leaves exposed is counted (``zero_exposed_time``);
-    ZeRO-0/1's sync after the backward is priced as without them. ``kept``: as ``unit_sync_times``.
+    ZeRO-0/1's sync after the backward is priced as without them. ``kept``, ``regathered``: as
+    ``unit_sync_times``.
     Each collective runs over its axis of ``dp_sync_collectives`` (a split dp: dp_shard, and
     dp_replicate for the all-reduce of the sharded gradients)."""
     if mesh.dp == 1:
@@ -104,29 +105,34 @@ def dp_sync_time(param_bytes: float, mesh, dev, zero: int, gpus_per_node: int, *
     if units is not None and zero >= 2:
         unit_bytes, seconds = zip(*units) if units else ((), ())
         return microbatches * zero_exposed_time(*unit_sync_times(unit_bytes, mesh, dev, zero, gpus_per_node,
-                                                                 gathered=gathered, kept=kept), seconds)
+                                                                 gathered=gathered, kept=kept,
+                                                                 regathered=regathered), seconds)
     times = microbatches if zero >= 2 else 1
     return times * sum(axis_collective_time(k, share * dp_sync_bytes(k, param_bytes, zero, gathered), mesh, axis, dev,
                                             gpus_per_node)
                        for _, k, axis, share in dp_sync_collectives(mesh, zero))
 
 
-def unit_sync_times(unit_bytes, mesh, dev, zero: int, gpus_per_node: int, *, gathered: float = 1.0, kept=()):
+def unit_sync_times(unit_bytes, mesh, dev, zero: int, gpus_per_node: int, *, gathered: float = 1.0, kept=(),
+                    regathered=None):
     """Per unit (its parameter bytes in ``unit_bytes``), seconds of ZeRO-2/3's collectives for one
-    microbatch: the forward all-gather, the backward re-gather (ZeRO-3; 0 under ZeRO-2 and for the
-    units at the positions ``kept``, a plan's ``keep_gathered``) and the gradient reduce-scatter,
+    microbatch: the forward all-gather, the backward re-gather (ZeRO-3, of the unit's bytes in
+    ``regathered``, ``state.regathered_bytes``, or all of them; 0 under ZeRO-2 and for the units at
+    the positions ``kept``, a plan's ``keep_gathered``) and the gradient reduce-scatter,
     each one collective per unit (``dp_sync_bytes``); with a split dp the reduce-scatter's time
     includes the all-reduce across the replicas that follows it (``dp_sync_collectives``)."""
     if zero < 2:
         raise ValueError(f"zero={zero}: only ZeRO-2 and 3 gather and reduce-scatter per unit")
     colls = dp_sync_collectives(mesh, zero)
 
-    def each(phase: str, kinds) -> list[float]:
+    def each(phase: str, kinds, sizes) -> list[float]:
         return [sum(axis_collective_time(k, share * dp_sync_bytes(k, b, zero, gathered), mesh, axis, dev, gpus_per_node)
-                    for ph, k, axis, share in colls if ph == phase and k in kinds) for b in unit_bytes]
-    gather = each("fwd", ("all_gather",))
-    regather = [0.0 if zero < 3 or k in kept else g for k, g in enumerate(gather)]
-    return gather, regather, each("bwd", ("reduce_scatter", "all_reduce"))
+                    for ph, k, axis, share in colls if ph == phase and k in kinds) for b in sizes]
+    gather = each("fwd", ("all_gather",), unit_bytes)
+    again = gather if regathered is None else each("fwd", ("all_gather",), regathered)
+    issued = [True] * len(again) if regathered is None else [b > 0 for b in regathered]
+    regather = [g if zero >= 3 and k not in kept and issued[k] else 0.0 for k, g in enumerate(again)]
+    return gather, regather, each("bwd", ("reduce_scatter", "all_reduce"), unit_bytes)
 
 
 def zero_sync_floor(param_bytes: float, mesh, dev, zero: int, gpus_per_node: int, *, microbatches: int,

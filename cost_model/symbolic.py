@@ -62,8 +62,8 @@ from autopar.graph.views import VIEW_OPS
 
 from .memory import stage_terms, unit_memory
 from .stages import inflight_microbatches, pipeline_time, rank_param_bytes, unit_costs
-from .state import state_bytes_per_param_byte
-from .step import dp_sync_time, plan_update_terms, rank_unit_figures, zero_unit_figures
+from .state import regathered_bytes, state_bytes_per_param_byte
+from .step import dp_sync_time, plan_update_terms, rank_unit_figures, rank_units, zero_unit_figures
 from .strategy import OP_OVERHEAD, comm_bytes, strategy_work, tp_collectives
 from .terms import rank_peaks, step_time
 
@@ -330,7 +330,7 @@ def _dp_sync(cap, strategies, units, bounds, plan, mesh, dev: DeviceSpec, gpus_p
     """Seconds of the gradient sync over dp, as the numeric model prices it: over the parameters of
     the busiest pipeline rank, or of the whole model without stages. It holds no (b, S): ZeRO-2/3's
     prefetch hides it behind the units' compute at the plan's own shapes."""
-    zero_units_ = None
+    zero_units_, ranked = None, ()
     if plan.stages:
         time = unit_costs(cap, strategies, units, mesh, dev, gpus_per_node=gpus_per_node)[0]
         static = unit_memory(cap, strategies, units, mesh, zero=plan.zero, working_copy=working_copy)[0]
@@ -338,14 +338,18 @@ def _dp_sync(cap, strategies, units, bounds, plan, mesh, dev: DeviceSpec, gpus_p
         if plan.zero >= 2 and mesh.dp > 1:
             zero_units_ = rank_unit_figures(time, static, bounds, mesh,
                                             state_bytes_per_param_byte(mesh, plan.zero, working_copy))
+            ranked = [units[k] for k in rank_units(static, bounds, mesh)]
     else:
         local = sum(float(torch.Size(local_shape(tuple(n.meta["val"].shape), strategies[n].output, mesh.tp)).numel())
                     * n.meta["val"].element_size() for n in cap.params.values())
         if plan.zero >= 2 and mesh.dp > 1:
             zero_units_ = zero_unit_figures(strategies, zero_units(cap), mesh.tp, dev,
                                             axis_is_inter_node(mesh.tp, 1, gpus_per_node))
+            ranked = zero_units(cap)
+    kept = tuple(k for k, u in enumerate(ranked) if u.name in plan.keep_gathered)
+    again = regathered_bytes(cap, strategies, ranked, mesh.tp) if zero_units_ is not None else None
     return dp_sync_time(local, mesh, dev, plan.zero, gpus_per_node, microbatches=plan.microbatches,
-                        gathered=working_copy or 1.0, units=zero_units_)
+                        gathered=working_copy or 1.0, units=zero_units_, kept=kept, regathered=again)
 
 
 class _Interpolator:

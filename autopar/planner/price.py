@@ -23,7 +23,7 @@ from autopar.cost_model.context import cp_attention_seconds, cp_seconds
 from autopar.cost_model.memory import all_ops, cut_memory, stage_nodes, unit_memory, with_weights
 from autopar.cost_model.repeats import block_shift
 from autopar.cost_model.stages import inflight_microbatches, pipeline_split, rank_param_bytes, unit_costs
-from autopar.cost_model.state import kept_gathered_bytes, state_bytes_per_param_byte
+from autopar.cost_model.state import kept_gathered_bytes, regathered_bytes, state_bytes_per_param_byte
 from autopar.cost_model.step import (dp_sync_time, flat_compute_time, param_byte_time, plan_update_terms, price_step,
                                      rank_unit_figures, rank_units, tp_comm_time, unit_sync_times, zero_unit_figures)
 from autopar.errors import PlanError, PlanFormatError
@@ -198,8 +198,10 @@ def _flat(base: _Base, strategies: dict, sharding, kept) -> tuple[dict, float, t
     units = zero_unit_figures(strategies, zero_units(base.cap), mesh.tp, dev, tp_inter) \
         if c.zero >= 2 and mesh.dp > 1 else None
     names = tuple(u.name for u in zero_units(base.cap)) if units else ()
+    again = regathered_bytes(base.cap, strategies, zero_units(base.cap), mesh.tp) if units else None
     dp = dp_sync_time(sharding.local_bytes, mesh, dev, c.zero, req.gpus_per_node, microbatches=c.microbatches,
-                      gathered=working_copy_ratio(base.cap) or 1.0, units=units, kept=_positions(names, kept))
+                      gathered=working_copy_ratio(base.cap) or 1.0, units=units, kept=_positions(names, kept),
+                      regathered=again)
     return work, dp, (sharding.local_bytes, units, names)
 
 
@@ -236,7 +238,7 @@ def _pipelined(base: _Base, strategies: dict, recompute: str, regions, kept, bou
     else:
         static, cut = cut_with(regions if regions is not None else regions_for(cap, recompute))
     return cut, pipeline_work(cut, tp, boundary, mesh.pp, c.microbatches, c.virtual_stages), \
-        *_rank_dp(base, time, static, cut.bounds, units, kept), rank_units(static, cut.bounds, mesh)
+        *_rank_dp(base, strategies, time, static, cut.bounds, units, kept), rank_units(static, cut.bounds, mesh)
 
 
 def pipeline_work(cut, tp, boundary, pp: int, microbatches: int, virtual: int) -> dict:
@@ -250,18 +252,20 @@ def pipeline_work(cut, tp, boundary, pp: int, microbatches: int, virtual: int) -
     return pipeline_split(parts, pp, microbatches, virtual, float(cut.step_time))
 
 
-def _rank_dp(base: _Base, time, static, bounds, units, kept) -> tuple[float, tuple]:
+def _rank_dp(base: _Base, strategies: dict, time, static, bounds, units, kept) -> tuple[float, tuple]:
     """The dp sync of the pipeline rank holding the most parameters under the cut ``bounds``, and what
     it was priced from (``Candidate.dp_units``; ZeRO-2/3's per-unit figures of that rank)."""
     req, c = base.job.request, base.choices
     mesh, wc, offload = c.mesh, working_copy_ratio(base.cap), c.offload != "none"
     params = rank_param_bytes(static, bounds, mesh, c.zero, wc, offload)
-    figures, names = None, ()
+    figures, names, again = None, (), None
     if c.zero >= 2 and mesh.dp > 1:
         figures = rank_unit_figures(time, static, bounds, mesh, state_bytes_per_param_byte(mesh, c.zero, wc, offload))
-        names = tuple(units[k].name for k in rank_units(static, bounds, mesh))
+        ranked = [units[k] for k in rank_units(static, bounds, mesh)]
+        names = tuple(u.name for u in ranked)
+        again = regathered_bytes(base.cap, strategies, ranked, mesh.tp)
     dp = dp_sync_time(params, mesh, req.device, c.zero, req.gpus_per_node, microbatches=c.microbatches,
-                      gathered=wc or 1.0, units=figures, kept=_positions(names, kept))
+                      gathered=wc or 1.0, units=figures, kept=_positions(names, kept), regathered=again)
     return dp, (params, figures, names)
 
 
@@ -287,7 +291,10 @@ def _keep_gathered(base: _Base, cand: Candidate) -> Candidate:
     cap, req, c = base.cap, base.job.request, cand.choices
     _, figures, names = cand.dp_units
     wc = working_copy_ratio(cap)
-    regather = unit_sync_times([b for b, _ in figures], c.mesh, req.device, 3, req.gpus_per_node, gathered=wc or 1.0)[1]
+    by_name = {u.name: u for u in (layer_units(cap) if cand.bounds else zero_units(cap))}   # as dp_units named them
+    again = regathered_bytes(cap, cand.strategies, [by_name[n] for n in names], c.mesh.tp)
+    regather = unit_sync_times([b for b, _ in figures], c.mesh, req.device, 3, req.gpus_per_node, gathered=wc or 1.0,
+                               regathered=again)[1]
     saved = dict(zip(names, (c.microbatches * t for t in regather)))
     nodes = stage_nodes(cap, cand.bounds) if cand.bounds else (all_ops(cap),)
     extras = [kept_gathered_bytes(cap, cand.strategies, c.mesh, n, wc) for n in nodes]

@@ -31,6 +31,7 @@ from autopar.cost_model.compute import node_flops
 from autopar.cost_model.memo import cached, strategies_of
 from autopar.cost_model.repeats import block_shift, twin
 from autopar.cost_model.context import cp_collectives
+from autopar.cost_model.state import regathered_bytes
 from autopar.cost_model.step import dp_sync_bytes, dp_sync_collectives, zero_unit_figures
 from autopar.cost_model.strategy import OP_OVERHEAD, move_time, param_memory, strategy_time, tp_collectives
 from autopar.errors import PlanError
@@ -415,11 +416,11 @@ def sharding_record(cap: Captured, assignment: Assignment, mesh, dev, *, zero: i
     times = m if zero >= 2 else 1
     units = zero_unit_figures(strategies, zero_units(cap), tp, dev, tp_inter) if zero >= 2 and dp > 1 else None
     names = tuple(u.name for u in zero_units(cap)) if units else ()
-    positions = {k for k, name in enumerate(names) if name in kept}
+    again = regathered_bytes(cap, strategies, zero_units(cap), tp) if units else ()
     for phase, kind, axis, share in dp_sync_collectives(mesh, zero):   # a split dp's on dp_shard and dp_replicate
         nbytes = local_bytes
-        if (phase, kind) == ("bwd", "all_gather"):   # the kept units are not gathered again
-            nbytes -= sum(units[k][0] for k in positions)
+        if (phase, kind) == ("bwd", "all_gather"):   # the units' linear weights, but the kept units'
+            nbytes = sum(b for name, b in zip(names, again) if name not in kept)
             if nbytes <= 0:
                 continue
         agg[(kind, axis, phase, "(all parameters)")] = [times, times * share * dp_sync_bytes(kind, nbytes, zero, gathered)]

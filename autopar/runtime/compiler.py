@@ -8,7 +8,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from autopar.kernels.fused_linear_ce import triton_available
 from autopar.mesh import default_device_type
-from autopar.overlap import RegatherInBackward
+from autopar.overlap import RegatherInBackward, regather_in_backward
 
 # torch.compile modes (Inductor) that replay CUDA graphs
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -28,6 +28,8 @@ def lower(gm: torch.fx.GraphModule, compile, *, regather: bool = False, order=No
     if isinstance(gm, _LazyGraphModule):
         # dynamo would trace the wrapper that generates the code (frames of its own), not the graph's code
         gm.real_recompile()
+    if regather and compile == "aot_eager":
+        return torch.compile(gm, backend=_aot_eager_regathering())
     options = {"joint_custom_pre_pass": RegatherInBackward()} if compile is True and regather else None
     if order is not None and uses_inductor(compile):
         named = compile is True or compile == "inductor" or compile in MODES
@@ -39,6 +41,20 @@ def lower(gm: torch.fx.GraphModule, compile, *, regather: bool = False, order=No
     if compile is True or compile in MODES:
         return torch.compile(gm, mode=None if compile is True else compile)
     return torch.compile(gm, backend=compile)
+
+
+def _aot_eager_regathering():
+    """torch's "aot_eager" backend (no code generated, the same partitioner) with ZeRO-3's
+    re-gathers moved into the backward before the joint graph is partitioned."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    def partition(joint, joint_inputs, **kwargs):
+        regather_in_backward(joint.graph)
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition,
+                        keep_inference_input_mutations=True)
 
 
 def uses_inductor(compile) -> bool:

@@ -125,10 +125,9 @@ def test_gpt(precision, n_embd, vocab):
     assert got == pytest.approx(acts, rel=0.10)
     assert got == pytest.approx(acts, rel=0.01)
     assert abs(got - acts) < abs(eager - acts)   # the loss statistics and free inputs are modelled
-    if precision == "bf16":   # the rest of what it saves is the 16-bit working copy of the weights
+    if precision == "bf16":   # the weights are held at 16 bits: no working copy of them is saved for the backward
         params = sum(p.numel() for p in model.parameters())
-        assert weights == pytest.approx(2 * params, rel=0.10)
-        assert eager != pytest.approx(acts + weights, rel=0.10)
+        assert weights < 0.05 * 2 * params
 
 
 class PointwiseMLP(nn.Module):

@@ -1,8 +1,8 @@
 """autopar.rehearse on CPU, in this process: one rank of a plan for a larger world, built from a model
 on the meta device, run under a world whose collectives move no data. The collectives it issues
 are the plan's (ZeRO-3 over 4 ranks, Megatron's tp over 4, and both pipeline ranks of a (1, 2, 2)
-mesh, whose tp collectives add up to the plan's; per phase too, except ZeRO-3's backward re-gather,
-priced otherwise than issued: strict xfails), only the rank's shards are made (their bytes are the
+mesh, whose tp collectives add up to the plan's; ZeRO-3's per phase too, its backward re-gather with
+units kept gathered or none), only the rank's shards are made (their bytes are the
 plan's), the report round-trips through JSON and shows in the summary and the HTML view, and bad
 input fails with a sentence: a rank outside the world, a rank that does not fit the device, a plan
 priced for another chip. The CLI runs one."""
@@ -70,25 +70,13 @@ def test_zero3_rank_gathers_and_scatters_what_the_plan_says():
     assert issued[("all_reduce", "dp")][0] == 2 and issued[("all_reduce", "dp")][1] <= 16
 
 
-# the plan prices the re-gather of every weight of a resharded unit; the program (passes/zero.py) gathers
-# again only its linears' weights (not a tied table, gathered once and kept; not a norm's or an
-# embedding's, whose forward copy its backward keeps or needs not): the embedding and head units hold
-# no such weight, the blocks' linear weights are 98,304 of their bytes
-OVERPRICED = ("the plan prices the backward re-gather of all of a resharded unit's weights (cost_model.step."
-              "unit_sync_times, planner.sharding.sharding_record), the program re-gathers only its linears' "
-              "weights that no other unit shares (cost_model.state.regathers)")
-KEPT_BY_AOT = ("under a compile other than Inductor, AOTAutograd saves the forward's gathered weights for the "
-               "backward instead of re-gathering them (runtime.compiler.lower applies RegatherInBackward to "
-               "Inductor only), so nothing is resharded")
-
-
-@pytest.mark.parametrize("keep,compile", [
-    pytest.param("auto", "aot_eager", marks=pytest.mark.xfail(reason=OVERPRICED, strict=True)),
-    pytest.param((), "aot_eager", marks=pytest.mark.xfail(reason=OVERPRICED + "; " + KEPT_BY_AOT, strict=True)),
-    pytest.param((), True, marks=pytest.mark.xfail(reason=OVERPRICED, strict=True))])
-def test_zero3_moves_the_plans_bytes_per_kind_axis_and_phase(keep, compile):
+# the program (passes/zero.py) gathers again in the backward only a resharded unit's linear weights (not a
+# tied table, gathered once and kept; not a norm's or an embedding's), and so does the plan
+# (cost_model.state.regathered_bytes); "aot_eager" reshards as Inductor does (runtime.compiler.lower)
+@pytest.mark.parametrize("keep", ["auto", ()])
+def test_zero3_moves_the_plans_bytes_per_kind_axis_and_phase(keep):
     plan = autopar.rehearse(_meta_model(), (4, 1, 1), example_inputs(TINY, BATCH, SEQ, device="meta"), rank=1,
-                            zero=3, keep_gathered=keep, **{**FAST, "compile": compile})
+                            zero=3, keep_gathered=keep, **FAST)
     (r,) = plan.rehearsals
     issued = {(c.kind, c.axis, c.phase): c.bytes for c in r.collectives if c.count and c.kind != "all_reduce"}
     # the backward gathers again the linear weights (GPT-2's c_attn, c_proj, c_fc) of the blocks not kept

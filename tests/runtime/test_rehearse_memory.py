@@ -81,10 +81,11 @@ def test_rehearsed_peak_is_the_gloo_runs(name, rank):
           f"plan {r.predicted_peak_bytes / 2**20:.3f} MiB (rehearsed / plan x{r.memory_ratio:.3f}, gloo's "
           f"highest / plan x{high / r.predicted_peak_bytes:.3f})")
     assert "backward's transients included" in r.memory
-    if plan.mesh[1] == 1:   # no pipeline: one peak, step after step
-        assert low == high and r.peak_bytes == pytest.approx(high, rel=0.05)
-    else:
-        assert low * 0.95 <= r.peak_bytes <= high * 1.05
+    # a real run's peak moves with its peers' timing (a pipeline's sends, ZeRO-3's backward re-gathers):
+    # the rehearsed one lies in the range of its measured steps, within 5%
+    assert low * 0.95 <= r.peak_bytes <= high * 1.05
+    if plan.mesh[1] == 1:
+        assert high <= low * 1.10
     # activations count: the peak is well above the parameters, their gradients and AdamW's two moments
     assert r.peak_bytes > 1.5 * 4 * r.param_bytes
 
