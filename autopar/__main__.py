@@ -274,12 +274,7 @@ def _plan(args) -> int:
     if not _same_destination(sys.stdout, sys.stderr):   # the summary's last lines, for stdout sent to a file
         for warning in plan.warnings:
             print(f"warning: {warning}", file=sys.stderr)
-    if args.out:
-        plan.to_json(args.out)
-        print(f"plan written to {args.out}")
-    if args.html:
-        plan.to_html(args.html)
-        print(f"plan view written to {args.html}")
+    _write(plan, args)
     print(f"planned {args.config} (batch {args.batch}, seq {seq}) in {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -298,14 +293,19 @@ def _rehearse(args) -> int:
                             offload=args.offload, log=lambda line: print(line, file=sys.stderr, flush=True))
     plan = dataclasses.replace(plan, model=args.config)
     print(plan.summary())
+    _write(plan, args)
+    print(f"rehearsed {args.config} (batch {args.batch}, seq {seq}) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _write(plan, args) -> None:
+    """``plan`` written where ``--out`` (JSON) and ``--html`` ask, each said on stdout."""
     if args.out:
         plan.to_json(args.out)
         print(f"plan written to {args.out}")
     if args.html:
         plan.to_html(args.html)
         print(f"plan view written to {args.html}")
-    print(f"rehearsed {args.config} (batch {args.batch}, seq {seq}) in {time.perf_counter() - t0:.1f} s")
-    return 0
 
 
 def _same_destination(a, b) -> bool:

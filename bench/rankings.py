@@ -51,7 +51,8 @@ CASES = {
 }
 
 
-def _model(name: str, seq: int):
+def build_model(name: str, seq: int):
+    """The model of a case on the meta device: a Hugging Face Llama of ``LLAMA``'s shape, or a GPT config."""
     if name.startswith("llama-"):
         from transformers import LlamaConfig, LlamaForCausalLM
         cfg = LlamaConfig(vocab_size=128256, num_key_value_heads=8, max_position_embeddings=seq,
@@ -75,7 +76,7 @@ TITAN = {32768: ({"dp": 8}, 8, 3890), 65536: ({"dp": 4, "cp": 2}, 4, 2540), 1310
 
 def run(case: str) -> None:
     name, gpus, batch, seq, budget, about = CASES[case]
-    model = _model(name, seq)
+    model = build_model(name, seq)
     inputs = _inputs(model, name, batch, seq)
     params = sum(p.numel() for p in model.parameters())
     start, cpu = time.perf_counter(), time.process_time()
@@ -101,7 +102,7 @@ def titan() -> None:
     print("| sequence | mesh | batch | predicted step | peak GiB | predicted tokens/s/GPU | published | MFU |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for seq, (mesh, batch, published) in TITAN.items():
-        model = _model("llama-8b", seq)
+        model = build_model("llama-8b", seq)
         plan = autopar.plan(model, mesh, _inputs(model, "llama-8b", batch, seq), device="h100", zero=3,
                             recompute="full", precision="bf16", microbatches=1)
         tokens = batch * seq / plan.predicted_step_time / 8

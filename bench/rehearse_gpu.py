@@ -33,29 +33,12 @@ CASES = {
 }
 
 
-def build_model(name: str, seq: int):
-    """The model of a case on the meta device: a Hugging Face Llama of ``LLAMA``'s shape, or a GPT config."""
-    import torch
-
-    import autopar.hf
-    from autopar.examples.gpt import build
-
-    if name.startswith("llama-"):
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        from rankings import LLAMA
-        cfg = LlamaConfig(vocab_size=128256, num_key_value_heads=8, max_position_embeddings=seq,
-                          rope_theta=500000.0, **LLAMA[name.split("-")[1]])
-        with torch.device("meta"):
-            return autopar.hf.causal_lm_loss(LlamaForCausalLM(cfg))
-    return build(name, device="meta")
-
-
 def run_case(name: str, device: str | None, steps: int, out: Path | None) -> dict:
     """Rehearse case ``name`` in this process; its report as a dict."""
     import torch
 
     import autopar
+    from rankings import build_model
 
     config, mesh, batch, seq, knobs = CASES[name]
     model = build_model(config, seq)
