@@ -44,8 +44,10 @@ class CollectiveCount:
 class OpTime:
     """What one kind of op took on the rehearsed rank in one forward and backward: ``calls`` of it,
     ``seconds`` per call (the mean). ``op`` "matmul": ``dims`` (m, n, k) of a matmul of ``dtype``
-    ("fp32", "bf16", "fp16"; a batched one's batch folded into m); "other": every other op run at
-    the top level but attention (``dims`` ()), its mean the floor under a small op's time.
+    ("fp32", "bf16", "fp16"; a batched one's batch folded into m); "attention" (a GPU rank's): a
+    fused attention's forward plus backward, ``dims`` the queries' (batch, heads, seq, head_dim),
+    ``calls`` its forwards; "other" (a CPU rank's): every other op run at the top level but
+    attention (``dims`` ()), its mean the floor under a small op's time.
     ``cost_model.calibrate.with_rehearsals`` takes them into a device profile."""
 
     op: str

@@ -98,6 +98,15 @@ def _chosen(plan: Plan, mesh: Mesh, rank) -> tuple[int, str]:
     return rank, "as asked"
 
 
+def predicted_compute_s(plan: Plan, pp: int) -> float:
+    """The plan's forward and backward seconds per step for pipeline rank ``pp`` (with stages: each
+    of the rank's stages per microbatch; without: the step's compute term), what a rehearsal of
+    that rank measures as its compute."""
+    if plan.stages:
+        return plan.microbatches * sum(s.predicted_time_s for s in plan.stages if s.rank == pp)
+    return plan.step_terms.compute if plan.step_terms is not None else plan.predicted_compute_s
+
+
 def _predicted_peak(plan: Plan, pp: int) -> float:
     """The plan's peak bytes for pipeline rank ``pp`` (each stage's MemoryPlan holds its rank's peak)."""
     peaks = [m.peak for m in plan.memory if m.stage % plan.mesh[1] == pp]
@@ -134,12 +143,9 @@ def _itemsize(dtype: torch.dtype) -> int:
 def _report(plan: Plan, program, measured, why: str, predicted_peak: float, planned_params: int,
             device: str) -> Rehearsal:
     """The Rehearsal of ``measured`` (``runtime.rehearsal.Measured``), ``program``'s, against ``plan``."""
-    mesh, pp = program.mesh, program.coords["pp"]
+    mesh = program.mesh
     terms = plan.step_terms
-    if plan.stages:   # this rank's stages, each a forward and backward per microbatch
-        predicted_compute = plan.microbatches * sum(s.predicted_time_s for s in plan.stages if s.rank == pp)
-    else:
-        predicted_compute = terms.compute if terms is not None else plan.predicted_compute_s
+    predicted_compute = predicted_compute_s(plan, program.coords["pp"])
     if terms is not None:
         comm = terms.tp + terms.cp + terms.pp + terms.dp
         bubble, predicted_update = terms.bubble, terms.update_s

@@ -520,35 +520,50 @@ def with_rehearsals(spec: DeviceSpec, rehearsals) -> tuple[DeviceSpec, dict]:
     seconds per call), in place of the profile's samples of the same dtype and FLOPs (the rank ran
     that size in situ; other sizes keep theirs); where the profile had no samples of a dtype, one
     more at ``_ANCHOR`` FLOPs keeps its former rate (peak times efficiency) for the larger matmuls
-    the ranks did not run. ``launch_overhead``, the floor under every op's time, becomes the mean
-    time of the ranks' other ops (what a small op took there). Plans priced with the result
-    predict those ranks' compute as their ops ran; the rehearsals should be of this device."""
+    the ranks did not run. Each fused attention shape (a GPU rank's) becomes a causal
+    ``AttentionSample`` the same way, in place of the profile's of its dtype and FLOPs.
+    ``launch_overhead``, the floor under every op's time, becomes the mean time of a CPU rank's
+    other ops (what a small op took there; a GPU rank records none and keeps the profile's).
+    Plans priced with the result predict those ranks' compute as their ops ran; the rehearsals
+    should be of this device."""
     ops = [op for r in rehearsals for op in r.ops]
     if not ops:
-        raise ValueError("these rehearsals recorded no op times (a rehearsal on a GPU, or from an older plan file): "
-                         "rehearse on the CPU (autopar.rehearse with this machine's CPU) to take its ops into a profile")
-    matmuls = {}
-    for op in ops:
-        if op.op == "matmul":
-            m, n, k = op.dims
-            calls, seconds = matmuls.get((op.dtype, m, n, k), (0, 0.0))
-            matmuls[(op.dtype, m, n, k)] = (calls + op.calls, seconds + op.calls * op.seconds)
+        raise ValueError("these rehearsals recorded no op times (a plan file from before rehearsals timed their ops): "
+                         "rehearse again (autopar.rehearse) to take its ops into a profile")
     taken = [MatmulSample(dtype, m, n, k, 2.0 * m * n * k * calls / seconds)
-             for (dtype, m, n, k), (calls, seconds) in sorted(matmuls.items()) if seconds > 0]
+             for (dtype, m, n, k), (calls, seconds) in _pooled(ops, "matmul").items() if seconds > 0]
     rehearsed = {(t.dtype, t.m * t.n * t.k) for t in taken}
     kept = [t for t in spec.matmul_table if (t.dtype, t.m * t.n * t.k) not in rehearsed]
     anchors = [MatmulSample(d, *_ANCHOR, spec.flops(d) * spec.matmul_efficiency)
                for d in sorted({t.dtype for t in taken}) if spec.matmul_curve(d) is None and d in spec.peak_flops]
+    attention = []
+    for (dtype, *shape), (calls, seconds) in _pooled(ops, "attention").items():
+        if seconds > 0:
+            sample = AttentionSample(dtype, *shape, 1, 0.0)
+            attention.append(replace(sample, flops_per_s=sample.flops * calls / seconds))
+    seen = {(a.dtype, a.flops) for a in attention}
+    kept_attention = [a for a in spec.attention_table if (a.dtype, a.flops) not in seen or not a.causal]
     other = [op for op in ops if op.op == "other"]
     calls = sum(op.calls for op in other)
     overhead = sum(op.calls * op.seconds for op in other) / calls if calls else spec.launch_overhead
     out = replace(spec, name=f"{spec.name} + rehearsed", matmul_table=(*kept, *taken, *anchors),
-                  launch_overhead=overhead)
+                  attention_table=(*kept_attention, *attention), launch_overhead=overhead)
     record = {"rehearsals": [{"rank": r.rank, "coords": r.coords, "device": r.device,
                               "matmul_shapes": sum(op.op == "matmul" for op in r.ops),
+                              "attention_shapes": sum(op.op == "attention" for op in r.ops),
                               "other_ops": sum(op.calls for op in r.ops if op.op == "other")} for r in rehearsals],
               "launch_overhead": {"before": spec.launch_overhead, "rehearsed": overhead}}
     return out, record
+
+
+def _pooled(ops, kind: str) -> dict[tuple, tuple[int, float]]:
+    """(dtype, *dims) -> (calls, seconds) over the ``ops`` of ``kind``, pooled across ranks, sorted."""
+    pooled: dict[tuple, tuple[int, float]] = {}
+    for op in ops:
+        if op.op == kind:
+            calls, seconds = pooled.get((op.dtype, *op.dims), (0, 0.0))
+            pooled[(op.dtype, *op.dims)] = (calls + op.calls, seconds + op.calls * op.seconds)
+    return dict(sorted(pooled.items()))
 
 
 def _with_network(base: DeviceSpec, network: dict[str, dict], per_node: int) -> DeviceSpec:

@@ -37,7 +37,7 @@ class Measured:
     the step's microbatches (``train_step``) and of the optimizer step, the peak bytes and what
     they are (``memory``), the bytes of the parameters made, the collectives issued per step,
     (kind, axis, phase) -> (count, bytes), and what its forward and backward's ops took
-    (``op_times``; () on a GPU)."""
+    (``op_times`` on the CPU, ``cuda_op_times`` on a GPU)."""
 
     compute_s: float
     update_s: float
@@ -77,10 +77,12 @@ def run_rank(model, program, cap, tally: Tally, *, steps: int, warmup: int, log=
         tally.on = False
         say(f"rank {program.rank}: one more step, its memory measured")
         peak, memory = step_peak(pm, opt, lambda: _timed_step(pm, opt, batch, tally, cuda))
-        ops = ()
-        if not cuda:
-            say(f"rank {program.rank}: one more step, its ops timed")
-            ops = op_times(lambda: pm.train_step(*batch))
+        say(f"rank {program.rank}: one more step, its ops timed")
+        try:
+            ops = (cuda_op_times if cuda else op_times)(lambda: pm.train_step(*batch))
+        except RuntimeError as err:   # the profiler's trace is a bonus: keep the step's figures without it
+            say(f"rank {program.rank}: its ops could not be timed ({err}); the report has no op times")
+            ops = ()
     names = {program.groups.of(a): a for a in reversed(AXES) if program.groups.of(a) is not None}
     per_step = {}
     for (kind, group, phase), calls in tally.calls.items():
@@ -265,6 +267,52 @@ def op_times(run) -> tuple[OpTime, ...]:
     if other:
         out.append(OpTime("other", "", (), len(other), math.fsum(other) / len(other)))
     return tuple(out)
+
+
+def cuda_op_times(run) -> tuple[OpTime, ...]:
+    """What the matmuls and fused attention of ``run()`` (a forward and backward on a GPU) took on
+    the device, as torch.profiler's CUDA activity timed the kernels each launched: per matmul
+    shape and dtype (``MATMULS``) its calls and mean kernel seconds per call; per attention shape
+    (batch, heads, sequence, head_dim of the queries) and dtype one "attention" row, its calls
+    the forwards and its seconds per call a forward's kernels plus its backward's (as
+    ``AttentionSample`` measures fused attention). No "other" row: Inductor's own kernels are no
+    aten ops, and the time a small op takes on a GPU is its launch, which the profile measures."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        run()
+        torch.cuda.synchronize()
+    dtypes = {e.correlation_id(): e.dtypes() for e in prof.profiler.kineto_results.events()
+              if e.device_type() == torch.autograd.DeviceType.CPU}
+    matmuls, attention = {}, {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU or not e.input_shapes:
+            continue
+        kinds = dtypes.get(e.id) or []
+        seconds = e.device_time_total / 1e6
+        if e.name in MATMULS and kinds and kinds[0] in DTYPES:
+            a, b = (e.input_shapes[i] for i in MATMULS[e.name])
+            key = (DTYPES[kinds[0]], math.prod(a[:-1]), b[-1], a[-1])
+            calls, total = matmuls.get(key, (0, 0.0))
+            matmuls[key] = (calls + 1, total + seconds)
+        elif _is_attention(e):
+            shape, dtype = next(((tuple(s), DTYPES.get(d)) for s, d in zip(e.input_shapes, kinds) if len(s) == 4),
+                                (None, None))
+            if shape is None or dtype is None:
+                continue
+            calls, total = attention.get((dtype, shape), (0, 0.0))
+            attention[(dtype, shape)] = (calls + ("backward" not in e.name), total + seconds)
+    out = [OpTime("matmul", dtype, (m, n, k), calls, total / calls)
+           for (dtype, m, n, k), (calls, total) in sorted(matmuls.items())]
+    out += [OpTime("attention", dtype, shape, calls, total / calls)
+            for (dtype, shape), (calls, total) in sorted(attention.items()) if calls]
+    return tuple(out)
+
+
+def _is_attention(event) -> bool:
+    """Whether ``event`` is a fused attention op (forward or backward) run inside no other one."""
+    def attention(e):
+        return e is not None and ("scaled_dot_product" in e.name or "efficient_attention" in e.name)
+    return attention(event) and not attention(event.cpu_parent)
 
 
 def held_bytes(pm, opt) -> int:

@@ -14,8 +14,10 @@ import torch
 
 import autopar
 from autopar.cost_model.calibrate import with_rehearsals, write_profile
+from autopar.cost_model.compute import curve_rate
 from autopar.cost_model.devices import get_device
 from autopar.examples.gpt import GPT, example_inputs
+from autopar.rehearsal import OpTime
 from parity import SEQ, TINY
 
 BATCH = 8
@@ -70,5 +72,25 @@ def test_a_profile_taught_by_the_rehearsal_predicts_its_compute_closer(tmp_path)
 
 def test_rehearsals_without_op_times_are_refused():
     (r,) = _rehearsed().rehearsals
-    with pytest.raises(ValueError, match="recorded no op times.*rehearse on the CPU"):
+    with pytest.raises(ValueError, match="recorded no op times.*rehearse again"):
         with_rehearsals(get_device("cpu"), [dataclasses.replace(r, ops=())])
+
+
+def test_a_gpu_rank_s_attention_and_matmuls_become_samples():
+    """A GPU rank's rows (``cuda_op_times``: matmuls and fused attention, no "other") replace the
+    profile's samples of the same dtype and FLOPs; the launch overhead stays the profile's."""
+    (r,) = _rehearsed().rehearsals
+    base = get_device("h100")
+    shape = (1, 32, 8192, 128)
+    fwd_bwd = 0.004
+    ops = (OpTime("matmul", "bf16", (8192, 4096, 4096), 64, 0.0004), OpTime("attention", "bf16", shape, 32, fwd_bwd))
+    spec, record = with_rehearsals(base, [dataclasses.replace(r, ops=ops)])
+    taught = [a for a in spec.attention_table if (a.batch, a.heads, a.seq, a.head_dim) == shape and a.dtype == "bf16"]
+    assert len(taught) == 1 and taught[0].causal == 1
+    assert taught[0].flops_per_s == pytest.approx(taught[0].flops / fwd_bwd)
+    assert (2 * 8192 * 4096 * 4096 / 0.0004) in [s.flops_per_s for s in spec.matmul_table]
+    assert spec.launch_overhead == base.launch_overhead
+    assert record["rehearsals"][0]["attention_shapes"] == 1
+    # attention of that size is priced at the rehearsed rate now
+    flops = taught[0].flops
+    assert flops / curve_rate(flops, spec.attention_curve("bf16", True)) == pytest.approx(fwd_bwd, rel=1e-6)
