@@ -386,6 +386,8 @@ class _BB:
         self.mode = mode                       # "time": min step s.t. memory; "memory": min max mem_r
         # ranks that still receive a stage when stages s..S-1 remain
         self.open = [sorted({q % p for q in range(s, S)}) for s in range(S + 1)]
+        self.all_open = [len(o) == p for o in self.open]   # every rank: its loads are the list itself
+        self.keyed_memory = budget is not None or mode == "memory"
         self.last = [n - (S - 1 - s) for s in range(S)]
         # mm[s][e]: least total memory stages s..S-1 can have when they cover units [e, n)
         inf = math.inf
@@ -451,10 +453,10 @@ class _BB:
         p, k = self.p, self.S - s
         if k == 0:
             return self.m * max(R) + (p - 1) * mt if self.mode == "time" else max(M)
-        openr = self.open[s]
+        openr, every = self.open[s], self.all_open[s]
         rem_mem = self.mm[s][e]
         if self.mode == "memory":
-            lb = max(max(M), _water_level([M[r] for r in openr], rem_mem))
+            lb = max(max(M), _water_level(M if every else [M[r] for r in openr], rem_mem))
             if lb >= self.best:
                 return lb
             if self.best < math.inf and not self.reachable(s, e, None, [self.best - x for x in M]):
@@ -465,7 +467,7 @@ class _BB:
             if rem_mem > sum(self.budget - M[r] for r in openr):
                 return math.inf
             capm = [self.budget - x for x in M]
-        lr = max(max(R), _water_level([R[r] for r in openr], self.ms[e][k]))
+        lr = max(max(R), _water_level(R if every else [R[r] for r in openr], self.ms[e][k]))
         bt = max(mt, self.tb[e][k])
         lb = self.m * lr + (p - 1) * bt
         if lb >= self.best:
@@ -481,8 +483,8 @@ class _BB:
 
     def key(self, s, b, R, M, mt):
         qt, qm = self.t_eps, self.m_eps
-        km = tuple(round(x / qm) for x in M) if (self.budget is not None or self.mode == "memory") else ()
-        return (s, b, tuple(round(x / qt) for x in R), km, round(mt / qt))
+        km = tuple([round(x / qm) for x in M]) if self.keyed_memory else ()
+        return (s, b, tuple([round(x / qt) for x in R]), km, round(mt / qt))
 
     def dfs(self, s, b, R, M, mt):
         if s == self.S:
@@ -501,9 +503,10 @@ class _BB:
         first = self.n if s == self.S - 1 else b + 1           # the last stage ends at unit n
         kids = []
         timed = self.mode == "time"
+        P, Pb, cbb, Gb = self.P, self.P[b], self.cb[b], G[b]
         for e in range(first, self.last[s] + 1):
-            x = self.seg_t(b, e)
-            mm = M[r] + (G[e] - G[b])
+            x = P[e] - Pb + cbb
+            mm = M[r] + (G[e] - Gb)
             # both grow with e: once over, every later e is too
             if self.budget is not None and mm > self.budget:
                 break
@@ -530,15 +533,16 @@ class _BB:
     def score(self, cuts):
         """Local-search score of the cut given by its S - 1 cut positions (smaller is better):
         over budget first by memory, then the objective, then the sorted loads (to leave plateaus)."""
-        p, n = self.p, self.n
+        p, n, P, cb, G = self.p, self.n, self.P, self.cb, self.G
         R = [0.0] * p
         M = [0.0] * p
         T = []
         b = 0
-        for s, e in enumerate(list(cuts) + [n]):
-            x = self.seg_t(b, e)
-            R[s % p] += x
-            M[s % p] += self.G[s][e] - self.G[s][b]
+        for s, e in enumerate([*cuts, n]):
+            x = P[e] - P[b] + cb[b]
+            r = s % p
+            R[r] += x
+            M[r] += G[s][e] - G[s][b]
             T.append(x)
             b = e
         Ms = sorted(M, reverse=True)
@@ -629,9 +633,36 @@ def min_peak_memory(time, static_mem, act_mem, boundary, *, p, m, v=1, schedule=
     return peak, bounds
 
 
+# the answers of cut_stages by their plain inputs (the units' floats and the knobs), newest last: the
+# mesh search asks again for cuts it priced (a ZeRO stage or schedule variant that leaves a mesh's
+# unit costs and budget as they were), and a search that stops at SEARCH_LIMIT costs seconds
+_CUTS: dict[tuple, StageCut | BudgetMissed] = {}
+_CUTS_KEPT = 1024
+
+
 def cut_stages(time, static_mem, act_mem, boundary, *, p, m, v=1, schedule="1F1B",
                memory_budget=None) -> StageCut:
-    """The cut with the smallest predicted step time whose every rank fits memory_budget (bytes)."""
+    """The cut with the smallest predicted step time whose every rank fits memory_budget (bytes).
+    Pure in its inputs: an answer (or refusal) is kept by their values and given again."""
+    key = (*(tuple(np.asarray(x, dtype=float).ravel().tolist()) for x in (time, static_mem, act_mem, boundary)),
+           p, m, v, schedule, memory_budget)
+    answer = _CUTS.get(key)
+    if answer is None:
+        try:
+            answer = _cut_stages(time, static_mem, act_mem, boundary, p=p, m=m, v=v, schedule=schedule,
+                                 memory_budget=memory_budget)
+        except BudgetMissed as e:
+            answer = e
+        if len(_CUTS) >= _CUTS_KEPT:
+            del _CUTS[next(iter(_CUTS))]
+        _CUTS[key] = answer
+    if isinstance(answer, BudgetMissed):
+        raise BudgetMissed(str(answer), answer.least)
+    return answer
+
+
+def _cut_stages(time, static_mem, act_mem, boundary, *, p, m, v, schedule, memory_budget) -> StageCut:
+    """``cut_stages``' search, once per inputs."""
     t, w, a, c, p, m, v, S = _setup(time, static_mem, act_mem, boundary, p, m, v, schedule)
     if memory_budget is not None:
         memory_budget = float(memory_budget)
