@@ -25,7 +25,7 @@ from autopar.graph.units import layer_units
 from autopar.mesh import Mesh
 from autopar.planner.candidate import Candidate
 from autopar.planner.mesh_search import rank_meshes, ranking_table
-from autopar.planner.price import pipeline_work, price
+from autopar.planner.price import pipeline_work, price, unit_work
 from autopar.planner.recompute import regions_for
 from autopar.planner.request import Job, microbatch_options
 from autopar.planner.stage_cut import choose_cut
@@ -309,7 +309,7 @@ def auto_mesh(job: Job) -> tuple[Mesh, int, tuple[str, ...]]:
                                    memory_budget=req.limit, gpus_per_node=req.gpus_per_node,
                                    hsdp=req.zero == "auto" or req.zero in (1, 2, 3),   # ZeRO shards dp_shard
                                    sequence_parallel=req.sequence_parallel, schedule=req.schedule,
-                                   virtual=req.virtual_stages)
+                                   virtual=req.virtual_stages, work=unit_work)
     table = ranking_table(options, context=context)
     best = options[0]
     if not best.fits:

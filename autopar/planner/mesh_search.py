@@ -52,6 +52,13 @@ no less recompute. So a variant is planned only where its mesh's first plan, les
 faster than the fastest fitting plan ranked so far: no variant below that bound can win; and v
 rises only while its step falls (the bubble shrinks as 1/v, the cuts' point-to-point grows with v;
 not exact where the stage cut moves with v). Each planned variant is a row of its own ("I1F1B v5").
+A variant at v is also skipped where the cost model's floor of its step (``_variant_floor``) is no
+faster than that fastest row: any cut of p·v stages makes a step of m microbatches last at least
+m·W/p + (p-1)·W/(p·v) (``cost_model.stages.pipeline_time``: the busiest rank holds at least 1/p of
+the stage seconds W, the slowest stage at least 1/(p·v)), where W is at least the units' seconds
+and the p·v - 1 least cut seconds (``price.unit_work``; recompute and the other terms only add).
+It is the first plan's strategies that W is priced at: exact where the variant's are the same, as
+the schedule does not enter the tp ILP (a ZeRO stage may move them at tp > 1).
 """
 from __future__ import annotations
 
@@ -85,6 +92,7 @@ class MeshOption:
     terms: dict | None = None   # the step time's terms (``StepTerms.as_dict``, seconds)
     schedule: str = "1F1B"
     virtual: int = 1         # pipeline stages per pp rank
+    work: tuple = ()         # (units' seconds, cut seconds least first) per microbatch and cp rank, with pp > 1
 
 
 # the step's terms a row shows (``cost_model.terms.StepTerms``), and their column heads
@@ -161,7 +169,8 @@ def allows_context(cap, cp: int) -> str:
 
 def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budget: float,
                 gpus_per_node: int = 8, microbatch_size: int = 1, hsdp: bool = False,
-                sequence_parallel="auto", schedule: str = "1F1B", virtual=None) -> tuple[list[MeshOption], str]:
+                sequence_parallel="auto", schedule: str = "1F1B", virtual=None,
+                work=None) -> tuple[list[MeshOption], str]:
     """Every (dp, pp, tp) with dp * pp * tp == world_size that the model and batch allow, and the
     (dp, pp, cp, tp) the module docstring says can pay, each with the pipeline schedules it says can
     pay (``schedule_options`` of the request's ``schedule`` and ``virtual`` stages), fastest fitting
@@ -174,7 +183,9 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
     ``capture(inputs)``: the model traced at one microbatch, for the checks a mesh must pass before
     it is planned (tp divides the heads, pp at most the layer units, the model allows cp); ``memory_budget``: bytes per
     device; ``hsdp``: also rank each multi-node dp split as HSDP (``hsdp_split``);
-    ``sequence_parallel``: the knob (True asks each cp rank's tokens to split over tp)."""
+    ``sequence_parallel``: the knob (True asks each cp rank's tokens to split over tp); ``work(candidate)``:
+    what any stage cut of a pipelined candidate adds up (``price.unit_work``), for the variants'
+    floor (module docstring), none where not given."""
     first = example_inputs[0]
     batch, seq = first.shape[0], first.shape[1] if first.dim() > 1 else None   # cp splits dim 1, the sequence
     cap = capture(tuple(x[:microbatch_size] for x in example_inputs))
@@ -207,7 +218,7 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
                 rows = []
                 for mesh in (plain, split) if split else (plain,):
                     rows += _variants(mesh, m, price, memory_budget, out + rows,
-                                      schedule_options(pp, len(units), m, schedule, virtual))
+                                      schedule_options(pp, len(units), m, schedule, virtual), work)
                 for o in list(rows):
                     rows += _fewer_microbatches(o, price, memory_budget, out + rows)
                 out += rows
@@ -256,13 +267,15 @@ def _pays_for_memory(o: MeshOption) -> bool:
     return o.recompute == "auto" and o.recompute_regions > 0
 
 
-def _variants(mesh: Mesh, m: int, price, memory_budget: float, ranked: list[MeshOption], schedules) -> list[MeshOption]:
+def _variants(mesh: Mesh, m: int, price, memory_budget: float, ranked: list[MeshOption], schedules,
+              work=None) -> list[MeshOption]:
     """The rows of ``mesh`` at ``m`` microbatches: the first of ``schedules`` planned, then each other
     one while the first's step less its bubble is below the fastest fitting step among ``ranked``
-    and these rows (the module docstring's bound), and until a fitting variant is no faster than
+    and these rows (the module docstring's bound), but those whose floor is not below it
+    (``_variant_floor`` of the first's ``work``), and until a fitting variant is no faster than
     the fitting one before it."""
     first, *others = schedules
-    rows = [_priced(mesh, m, price, memory_budget, *first)]
+    rows = [_priced(mesh, m, price, memory_budget, *first, work=work)]
     base = rows[0]
     if not others or not base.terms:
         return rows
@@ -271,15 +284,28 @@ def _variants(mesh: Mesh, m: int, price, memory_budget: float, ranked: list[Mesh
         best = min((o.step_time for o in ranked + rows if o.fits), default=math.inf)
         if floor >= best:
             break
+        if _variant_floor(base.work, mesh.pp, m, sched[1]) >= best:
+            continue   # the floor falls as v rises: a larger v may still pass
         rows.append(_priced(mesh, m, price, memory_budget, *sched))
         if len(rows) > 2 and rows[-1].fits and rows[-2].fits and rows[-1].step_time >= rows[-2].step_time:
             break   # v past its best: its bubble falls as 1/v while its cuts' point-to-point grows with v
     return rows
 
 
-def _priced(mesh: Mesh, m: int, price, memory_budget: float, schedule: str, virtual: int) -> MeshOption:
+def _variant_floor(work: tuple, p: int, m: int, v: int) -> float:
+    """The least step any cut of p·v stages can have for ``m`` microbatches (module docstring), from
+    ``work`` (``MeshOption.work``); 0 where not known."""
+    if not work:
+        return 0.0
+    units, cuts = work
+    whole = units + math.fsum(cuts[:p * v - 1])
+    return whole * (m + (p - 1) / v) / p
+
+
+def _priced(mesh: Mesh, m: int, price, memory_budget: float, schedule: str, virtual: int,
+            work=None) -> MeshOption:
     """The ranking's row of ``mesh`` at ``m`` microbatches with ``schedule`` and ``virtual`` stages per
-    pp rank: its plan's figures, or why none fits."""
+    pp rank: its plan's figures, or why none fits; with ``work`` (``rank_meshes``') what its cuts add up."""
     try:
         candidate = price(mesh, m, schedule, virtual)
     except ValueError as e:
@@ -288,7 +314,8 @@ def _priced(mesh: Mesh, m: int, price, memory_budget: float, schedule: str, virt
     return MeshOption(mesh, m, candidate.step_time, peak, peak <= memory_budget, zero=c.zero, recompute=c.recompute,
                       recompute_regions=len(c.recompute_regions), offload=c.offload,
                       kept_gathered=len(c.keep_gathered), terms=candidate.terms.as_dict(),
-                      schedule=c.schedule, virtual=c.virtual_stages)
+                      schedule=c.schedule, virtual=c.virtual_stages,
+                      work=work(candidate) if work is not None and mesh.pp > 1 else ())
 
 
 def schedule_name(o: MeshOption) -> str:
