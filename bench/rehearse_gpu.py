@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench/rankings.py's
 # name: (model, mesh, global batch, sequence, knobs); Llama shapes as bench/rankings.py builds them
 CASES = {
     "tiny": ("tiny", {"dp": 2, "pp": 2, "tp": 2}, 8, 32, dict(precision="bf16")),   # a smoke test, seconds
-    "8b-tp8": ("llama-8b", (1, 1, 8), 8, 8192, dict(precision="bf16")),
+    "8b-tp8": ("llama-8b", (1, 1, 8), 8, 8192, dict(precision="bf16", recompute="auto")),
     "8b-zero3": ("llama-8b", (8, 1, 1), 8, 8192, dict(zero=3, precision="bf16")),
-    "8b-cp2-ring": ("llama-8b", {"dp": 4, "cp": 2}, 4, 65536, dict(precision="bf16", zero=3, cp_attention="ring")),
+    "8b-cp2-ring": ("llama-8b", {"dp": 4, "cp": 2}, 4, 65536, dict(precision="bf16", zero=3, cp_attention="ring", recompute="full")),
     "175b": ("gpt3-175b", (8, 16, 4), 1536, 2048, dict(precision="bf16", zero=1)),
     "70b-recipe": ("llama-70b", {"dp": 2, "pp": 4, "cp": 2, "tp": 4}, 128, 8192,
                    dict(precision="bf16", zero=1, recompute="none", sequence_parallel=True,

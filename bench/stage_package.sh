@@ -2,7 +2,6 @@
 # (the lent GPU machines have no network to pip-install it), puts it on PYTHONPATH, makes $OUT.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 rm -rf /tmp/pkg && mkdir -p /tmp/pkg/autopar
-cp -r autopar/. /tmp/pkg/autopar/
-for d in passes cost_model kernels examples; do cp -r "$d" "/tmp/pkg/autopar/$d"; done
+cp -rL autopar/. /tmp/pkg/autopar/   # autopar/{passes,cost_model,kernels,examples} link to the top-level folders
 export PYTHONPATH=/tmp/pkg
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
