@@ -114,6 +114,8 @@ class Plan:
     recompute_regions: tuple[tuple[str, ...], ...] = ()   # global node names recomputed together
     keep_gathered: tuple[str, ...] = ()   # zero=3: units whose weights stay gathered from forward to backward
     offload: str = "none"           # "optimizer": fp32 master and AdamW state on the host, stepped by the CPU
+    offload_kept: tuple[str, ...] = ()   # offload="optimizer": units whose master and state stay on the device (partial offload)
+    offload_delay: int = 0          # 1: the host's update lands one step late, overlapping the next step (ZeRO-Offload's DPU)
     memory: tuple[MemoryPlan, ...] = ()
     precision: str = "fp32"         # compute dtype: "fp32", "bf16" or "fp16"; weights, grads, reductions stay fp32
     source: str = "auto"            # "auto", "megatron", or "edited from ..." once its choices were changed by hand
@@ -231,7 +233,8 @@ class Plan:
         strategies, collectives (count and bytes per place), stages, memory, predicted time.
         Returns "no differences" when the two plans decide the same things."""
         out: list[str] = []
-        for f in ("mesh", "dp_replicate", "cp", "cp_attention", "input_shapes", "sequence_parallel", "zero", "keep_gathered", "offload", "microbatches",
+        for f in ("mesh", "dp_replicate", "cp", "cp_attention", "input_shapes", "sequence_parallel", "zero", "keep_gathered", "offload", "offload_kept",
+                  "offload_delay", "microbatches",
                   "schedule", "virtual_stages", "recompute", "precision", "device"):
             a, b = getattr(self, f), getattr(other, f)
             if a != b:
@@ -272,7 +275,7 @@ class Plan:
         lines = [f"autopar plan ({self.source}) for mesh {mesh.dp_text()} pp={mesh.pp}{mesh.cp_text()} tp={mesh.tp} on {self.device}",
                  f"  microbatch input shapes {list(map(list, self.input_shapes))}, microbatches "
                  f"{self.microbatches}, sequence parallel {'on' if self.sequence_parallel else 'off'}, "
-                 f"ZeRO-{self.zero}{_zero_axes(self.zero, mesh)}{_kept_gathered(self.keep_gathered)}{_offloaded(self.offload)}, "
+                 f"ZeRO-{self.zero}{_zero_axes(self.zero, mesh)}{_kept_gathered(self.keep_gathered)}{_offloaded(self.offload, self.offload_kept, self.offload_delay)}, "
                  f"precision {PRECISION_NOTES[self.precision]}{_cp_attention_text(self.cp, self.cp_attention)}",
                  "  placements: R replicated, P partial sum, S(d) sharded on dim d, "
                  "S(d)ik interleaved: dim d is k blocks (fused q,k,v) and each rank holds its slice of each",
@@ -349,6 +352,12 @@ def _combination_refused(plan: Plan) -> str | None:
     if plan.cp == 1 and plan.cp_attention != "allgather":
         return (f"plan.cp_attention {plan.cp_attention!r} chooses how attention runs over cp, but this plan has "
                 "cp=1; set it to 'allgather' (or re-plan on a mesh with a cp axis)")
+    if plan.offload == "none" and (plan.offload_kept or plan.offload_delay):
+        field_ = "offload_kept" if plan.offload_kept else "offload_delay"
+        return (f"plan.{field_} {getattr(plan, field_)!r} says how the optimizer is offloaded, but this plan has "
+                "offload='none'; empty it (offload_delay 0) or set offload to 'optimizer'")
+    if isinstance(plan.offload_delay, bool) or plan.offload_delay not in (0, 1):
+        return f"plan.offload_delay {plan.offload_delay!r}: expected 0 (exact update) or 1 (one step late)"
     if plan.keep_gathered and plan.zero != 3:
         return (f"plan.keep_gathered lists {', '.join(plan.keep_gathered)}, but only zero=3 reshards units "
                 f"(this plan has zero={plan.zero}); empty it or set zero to 3")
@@ -381,8 +390,12 @@ def edited_source(source: str) -> str:
     return source if source.startswith("edited from ") else f"edited from {source}"
 
 
-def _offloaded(offload: str) -> str:
-    return ", optimizer offloaded to the host (fp32 master and AdamW state in host memory)" if offload != "none" else ""
+def _offloaded(offload: str, kept: tuple[str, ...] = (), delay: int = 0) -> str:
+    if offload == "none":
+        return ""
+    where = (f" except for the units {', '.join(kept)}, whose state stays on the device" if kept else "")
+    late = ", applied one step late (offload_delay=1)" if delay else ""
+    return f", optimizer offloaded to the host (fp32 master and AdamW state in host memory){where}{late}"
 
 
 def offload_limit(offload: str, precision: str, zero: int, mesh, microbatches: int) -> str | None:

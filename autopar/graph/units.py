@@ -140,3 +140,21 @@ def zero_units(cap: Captured) -> list[Unit]:
     except PlanError:
         ops = tuple(n for n in cap.gm.graph.nodes if n.op == "call_function")
         return [Unit("model", tuple(dict.fromkeys(n.meta.get("module_path") or "" for n in ops)), ops)]
+
+
+@graph_cached
+def owner_units(cap: Captured) -> dict[str, str]:
+    """FQN -> the name of the unit of ``zero_units(cap)`` that owns the parameter: the first, in
+    forward order, whose ops use it. A partial optimizer offload places each parameter's master and
+    optimizer state with its owner (``plan.offload_kept``); a weight several units share (a tied
+    embedding) belongs to the first, whose backward is the last to add to its gradient."""
+    first: dict[Node, str] = {}
+    for u in zero_units(cap):
+        for n in u.nodes:
+            first.setdefault(n, u.name)
+    units = [u.name for u in zero_units(cap)]
+    owners = {}
+    for fqn, p in cap.params.items():
+        users = [first[n] for n in p.users if n in first]
+        owners[fqn] = min(users, key=units.index) if users else units[0]
+    return owners
