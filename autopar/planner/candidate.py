@@ -42,6 +42,8 @@ class Choices:
     recompute: str = "none"
     recompute_regions: tuple[tuple[str, ...], ...] = ()
     keep_gathered: tuple[str, ...] = ()
+    offload_kept: tuple[str, ...] = ()
+    offload_delay: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,6 +102,7 @@ class Candidate:
                     model_flops=s.model_flops, peak_flops=dev.flops(compute_dtype(c.precision)), schedule=c.schedule,
                     virtual_stages=c.virtual_stages, stages=self.stages, recompute=c.recompute,
                     recompute_regions=c.recompute_regions, keep_gathered=c.keep_gathered, offload=c.offload,
+                    offload_kept=c.offload_kept, offload_delay=c.offload_delay,
                     memory=self.memory, precision=c.precision, source=c.source, step_terms=t)
         own, given = self.notes, self.request.given
         if given is not None:   # its notes less those an edit made untrue, with those derived for it now

@@ -112,7 +112,8 @@ def _base(job: Job, mesh: Mesh, microbatches: int, zero: int, offload: str) -> _
         _check_units(cap, kept, "plan.keep_gathered " if given is not None else "keep_gathered=")
     choices = Choices(mesh, microbatches, zero, offload, schedule, virtual, precision, attention,
                       sequence_sharded(cap, assignment.strategies), given.source if given is not None else req.plan,
-                      recompute)
+                      recompute, offload_kept=tuple(given.offload_kept) if given is not None else (),
+                      offload_delay=given.offload_delay if given is not None else 0)
     return _Base(job, cap, assignment, choices, _regions_from_plan(cap, given) if given is not None else None,
                  ([s.modules for s in given.stages] or None) if given is not None else req.stages,
                  kept if zero == 3 else (),   # zero="auto"'s other stages; zero=3 without dp (its note says so)
