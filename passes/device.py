@@ -13,7 +13,8 @@ def device_pass(gm: GraphModule, *, device: torch.device) -> GraphModule:
     A model captured on the meta device (planned offline, then initialised shard by shard) or on
     another device than the rank's bakes that device into every tensor its forward creates, such as
     the position ids; left so, a meta ``arange`` feeds garbage to the embedding. Explicit moves
-    (``x.to(device)``) are left alone: they say where the user wants a tensor."""
+    (``x.to(device)``) are left alone: they say where the user wants a tensor. The nodes' traced
+    values (``meta["val"]``) stay the capture's: a pass that traces the graph runs before this one."""
     out = copy_graph(gm)
     captured = {v.device for n in out.graph.nodes if n.op == "placeholder"
                 and isinstance(v := n.meta.get("val"), torch.Tensor)} | {torch.device("meta")}

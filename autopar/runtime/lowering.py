@@ -63,7 +63,7 @@ def lower_program(program, cap, params: dict[str, torch.nn.Parameter], buffers: 
     (``compile_once.peer_order``) or a pipeline is built."""
     gm, start, seconds = rewritten(program, cap)
     counts = token_count_graph(cap.gm) if program.counted else None
-    if counts is not None and program.pre[0].fn is device_pass:
+    if counts is not None and any(s.fn is device_pass for s in program.pre):
         counts = device_pass(counts, device=program.device)
     order = peer_order(program.coords) if uses_inductor(program.compile) else None
 

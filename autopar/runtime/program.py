@@ -226,9 +226,6 @@ def program_for(plan, coords, cap, strategies, *, groups: Groups | None = None, 
         groups = Groups.placeholders(mesh, plan.zero, "nccl" if default_device_type() == "cuda" else "gloo")
     device = comm_device() if device is None else device
     pre = []
-    if any(n.meta["val"].device != device for n in cap.gm.graph.nodes
-           if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)):
-        pre.append(PassStep(device_pass, dict(device=device)))   # captured on meta or another device
     # a mean over tokens is made the mean over the whole step's tokens (padding, ignore_index)
     losses = token_losses(cap.gm) if mesh.data * plan.microbatches > 1 else []
     if losses:
@@ -237,6 +234,12 @@ def program_for(plan, coords, cap, strategies, *, groups: Groups | None = None, 
         check_sequence(plan.input_shapes[0][1], mesh.cp, mesh.tp, plan.sequence_parallel)
         pre.append(PassStep(cp_pass, dict(size=mesh.cp, rank=coords["cp"], group=groups.cp,
                                           seq=plan.input_shapes[0][1], attention=plan.cp_attention)))
+    if any(n.meta["val"].device != device for n in cap.gm.graph.nodes
+           if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)):
+        # captured on meta or another device: the factories move last, as the passes before trace the
+        # graph's values, all on the capture's device (a table made on the rank's device from a meta
+        # buffer would meet two devices there)
+        pre.append(PassStep(device_pass, dict(device=device)))
     # after a first run the tp rewrite sees the rewritten loss and the local sequence's shapes, on
     # nodes the planner's strategies are handed to by name
     passes = []

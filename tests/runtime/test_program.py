@@ -69,8 +69,8 @@ def test_every_rank_of_a_3d_mesh_is_built_without_a_process_group():
     assert len(programs) == 8
     for r, p in enumerate(programs):
         assert p.rank == r and p.coords == p.mesh.coords(r)
-        # captured on meta; the loss a mean over the step's tokens; tp; ZeRO-3's gathers
-        assert p.pass_names == ["device_pass", "token_mean_pass", "shard_pass", "zero_pass"]
+        # the loss a mean over the step's tokens; captured on meta; tp; ZeRO-3's gathers
+        assert p.pass_names == ["token_mean_pass", "device_pass", "shard_pass", "zero_pass"]
         shard = _options(p, "shard_pass")
         assert (shard["rank"], shard["size"], shard["group"]) == (p.coords["tp"], 2, "tp")
         zero = _options(p, "zero_pass")
@@ -177,7 +177,7 @@ def test_hsdp_and_cp_programs_name_zero_s_groups():
         assert p.zero1 and "zero_pass" not in p.pass_names
         assert (p.groups.dp_shard, p.groups.dp_replicate, p.replicas) == ("dp_shard", "dp_replicate", 2)
     for p in _programs("cp-zero1"):
-        assert p.pass_names == ["device_pass", "token_mean_pass", "cp_pass"]
+        assert p.pass_names == ["token_mean_pass", "cp_pass", "device_pass"]
         cp = _options(p, "cp_pass")
         assert (cp["rank"], cp["size"], cp["group"]) == (p.coords["cp"], 2, "cp")
         # the cp ranks hold the same ZeRO-1 slice: its gradient is summed across them

@@ -148,6 +148,29 @@ def test_report_fields_round_trip_and_show():
     assert "data-rehearsed-rank='2'" in page and "Rehearsed ranks" in page
 
 
+# a meta model's capture makes its tables (rotary positions) from meta buffers, which the rank's program
+# makes on its device: the cp rewrite traces the capture as it was made, so two devices never meet there
+@pytest.mark.parametrize("attention", ["allgather", "ring"])
+def test_cp_rank_of_a_meta_llama_runs_its_attention(attention):
+    transformers = pytest.importorskip("transformers")
+    from autopar.hf import causal_lm_loss
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                   attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = causal_lm_loss(transformers.LlamaForCausalLM(cfg))
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    plan = autopar.rehearse(model, {"dp": 2, "cp": 2}, (ids, ids), rank=1, cp_attention=attention, **FAST)
+    (r,) = plan.rehearsals
+    assert r.coords == "dp 0 cp 1"
+    cp = {(c.kind, c.phase): c for c in r.collectives if c.axis == "cp" and c.count}
+    if attention == "allgather":   # each layer gathers its keys and values, and reduce-scatters their gradients
+        assert cp[("all_gather", "fwd")].count == 4 and cp[("all_gather", "fwd")].agrees
+        assert cp[("reduce_scatter", "bwd")].count == 4 and cp[("reduce_scatter", "bwd")].agrees
+    else:   # each layer passes its key/value block on once in the forward
+        assert cp[("all_to_all", "fwd")].count == 2 and ("all_to_all", "bwd") in cp
+
+
 def test_a_rank_outside_the_world_is_refused():
     with pytest.raises(ValueError, match=r"rank=4 is outside the plan's world of 4 ranks.*from 0 to 3"):
         _rehearsed((1, 1, 4), rank=4, plan="megatron")
