@@ -600,6 +600,7 @@ def load_checkpoint(pm: ParallelModel, optimizer, path) -> dict:
     file missing, cut short or unreadable, CheckpointCorruptError naming the file."""
     md = _read_metadata(path)
     _check_model(pm, md, path)
+    pm.weights_loading()
     want: dict = _model_tensors(pm, owned_only=False)
     finish = _request_optimizer_state(pm, optimizer, md, want, path) if optimizer is not None else None
     want.update({k: None for k in (_STEP, _EXTRA, _SCALER) if k in md})

@@ -16,18 +16,25 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.runtime.master_weights import MasterAdamW
-from autopar.runtime.offload import offloaded_optimizer
+from autopar.runtime.offload_optimizer import offloaded_optimizer
 
 
-def build_optimizer(cls, groups, defaults: dict, *, params: dict[str, torch.nn.Parameter], zero, offload):
+def build_optimizer(cls, groups, defaults: dict, *, params: dict[str, torch.nn.Parameter], zero, offload,
+                    kept=frozenset(), guard: OptimizerGuard | None = None):
     """``cls`` over this rank's shards ``params``: ``groups`` as ``OptimizerGuard.groups`` checked
     them (None: every shard), ``defaults`` its keyword options; ``zero`` (``Zero1``: ZeRO-1's or the
-    16-bit distributed optimizer's slice) and ``offload`` (``HostMasters``) the rank's, None without."""
+    16-bit distributed optimizer's slice) and ``offload`` (``runtime.offload.Offload``) the rank's,
+    None without; ``kept``: the FQNs whose state stays on the device under offload. An optimizer
+    built here over the shards themselves (offload's device side) is told to ``guard`` as its own."""
     if offload is not None:
         if cls is MasterAdamW:
             raise ValueError("offload='optimizer' keeps the fp32 master weights in host memory and steps them with "
                              "torch's CPU optimizer; use pm.optimizer(torch.optim.AdamW, ...)")
-        return offloaded_optimizer(cls, offload, groups, defaults, zero=zero)
+        opt = offloaded_optimizer(cls, offload, groups, defaults, params=params, zero=zero, kept=kept)
+        inner = getattr(opt, "offloaded", opt).split.device
+        if guard is not None and inner is not None:
+            guard.built.add(inner.optimizer)
+        return opt
     if zero is not None:
         return zero.make_optimizer(cls, groups, **defaults)
     held = (list(params.values()) if groups is None else
@@ -46,6 +53,7 @@ class OptimizerGuard:
         # optimizers found able to step, with what they were checked against: the hook runs before
         # every step of every optimizer, and an unchanged optimizer needs no second look
         self.passed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.built: weakref.WeakSet = weakref.WeakSet()   # pm.optimizer's own optimizers over the shards
 
     def install(self, owner, state) -> None:
         """Check every torch optimizer before its step, through torch.optim's global step pre-hook
@@ -68,7 +76,7 @@ class OptimizerGuard:
     def check(self, optimizer: torch.optim.Optimizer, zero, offload) -> None:
         """Raise if ``optimizer`` is about to step tensors whose gradients this rank never fills."""
         seen = (sum(len(g["params"]) for g in optimizer.param_groups), zero is None, offload is None)
-        if self.passed.get(optimizer) == seen:
+        if self.passed.get(optimizer) == seen or optimizer in self.built:
             return
         held = [p for group in optimizer.param_groups for p in group["params"]]
         name = type(optimizer).__name__

@@ -17,7 +17,8 @@ from autopar.passes.context_parallel import check_sequence
 from autopar.runtime import gradients, step
 from autopar.runtime.compiler import lower   # also importable from here, where it lived
 from autopar.runtime.lowering import Lowered, lower_program
-from autopar.runtime.offload import HostMasters
+from autopar.runtime.offload import HostMasters, Offload, backward_listening
+from autopar.runtime.offload_optimizer import slice_masters
 from autopar.runtime.optimizers import OptimizerGuard, build_optimizer
 from autopar.runtime.parameters import (adopt_shards, mark_static, materialize, rank_buffers,
                                         refuse_unsharded_call, summed_params)
@@ -91,11 +92,13 @@ class ParallelModel:
                       if program.zero1 or program.main_grads else None)
         self._program = self._lower(program, cap)
         self._programs = {program.shapes: self._program}
-        self._offload = None   # HostMasters with plan.offload: what pm.optimizer's optimizers step on the host
+        self._offload = None   # runtime.offload.Offload with plan.offload: the host masters and their updates
         if program.offload:   # at 16 bits below ZeRO-1 the host copy is the master: the device keeps 16-bit weights
-            self._offload = (HostMasters({"slice": self._zero.shard}) if self._zero is not None else
-                             HostMasters(self._params, dtype=program.host_dtype,
-                                         keep_fp32=summed_params(self.graph_module)))
+            kept = program.offload_kept
+            host = (slice_masters(self._zero, kept) if self._zero is not None else
+                    HostMasters({f: p for f, p in self._params.items() if f not in kept}, dtype=program.host_dtype,
+                                keep_fp32=summed_params(self.graph_module)))
+            self._offload = Offload(host, delay=self.plan.offload_delay, units=program.offload_units or None)
         if program.cuda_graphs:   # replayed graphs read weights and buffers where they were recorded
             mark_static([*self._params.values(), *self._buffers.values()])
         self._guard = OptimizerGuard(self._params, adopt_shards(model, self._params, cap.params, program.device))
@@ -135,7 +138,25 @@ class ParallelModel:
         (``autopar.runtime.offload``); on a slice each group steps its runs of it
         (``autopar.runtime.zero.SliceOptimizer``)."""
         return build_optimizer(cls, self._guard.groups(params), defaults, params=self._params, zero=self._zero,
-                               offload=self._offload)
+                               offload=self._offload, kept=self.program.offload_kept, guard=self._guard)
+
+    @property
+    def offload_overlap(self) -> bool:
+        """With offload where the gradients are final inside the backward (``runtime.offload``):
+        whether ``train_step``'s backward starts each unit's host update as its gradients arrive
+        (the default there). Set it False to update after the backward, e.g. to clip the gradients
+        first; False wherever the layout updates after the backward anyway."""
+        return self._offload is not None and self._offload.units is not None and self._offload.overlap
+
+    @offload_overlap.setter
+    def offload_overlap(self, on: bool) -> None:
+        if on and not (self._offload is not None and self._offload.units is not None):
+            raise ValueError("offload_overlap: this model's host updates cannot start in the backward (no "
+                             "offload, a delayed update, pp > 1, ZeRO-1, or a dp or cp sum after the backward: "
+                             "autopar.runtime.offload)")
+        if self._offload is not None:
+            self._offload.settle()
+            self._offload.overlap = bool(on)
 
     # ---- the step ------------------------------------------------------------------------
 
@@ -162,6 +183,7 @@ class ParallelModel:
         """The loss of a batch, forward only (no gradients, no update): what ``train_step`` would
         return for it, the mean over every microbatch and dp rank. Inputs as ``train_step`` takes them."""
         program, inputs = self._prepare(inputs)
+        self._settle()
         with torch.no_grad(), self._casts.step():
             if program.pipeline is not None:
                 total = program.pipeline.step(dict(zip(program.input_names, inputs)), train=False)
@@ -182,6 +204,7 @@ class ParallelModel:
         program, inputs = self._prepare(inputs)
         if self._zero is not None:
             self._zero.begin_step()
+        self._settle()
         if self.program.cuda_graphs:   # the last step's graph outputs are consumed: their memory may be reused
             torch.compiler.cudagraph_mark_step_begin()
         with self._casts.step():
@@ -190,15 +213,21 @@ class ParallelModel:
                 total = program.pipeline.step(dict(zip(program.input_names, inputs)), grads=grads)
             else:
                 total = 0.0
-                for chunk in step.microbatches(inputs, m):
+                for k, chunk in enumerate(step.microbatches(inputs, m)):
                     loss = self._forward(program, chunk)
-                    (loss * self.loss_scale / m).backward()
+                    with backward_listening(self._offload, last=k == m - 1):
+                        (loss * self.loss_scale / m).backward()
                     total = total + loss.detach() / m
         total = step.data_mean(total, self.program)   # the ranks' losses average to the batch's
         step.sync_gradients(self.program, self._params, self._zero)
         if self.loss_scaler is not None:
             self._unscale_grads()
         return total
+
+    def _settle(self) -> None:
+        """Before a forward: the weights of a host update the last backward started are in."""
+        if self._offload is not None and self._offload.stepped:
+            self._offload.settle()
 
     def _unscale_grads(self):
         """Divide the gradients by the loss scale; after an inf/nan on any rank, drop them on all."""
@@ -263,6 +292,10 @@ class ParallelModel:
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale gradients so their global norm (over every shard, each counted once) is <= max_norm."""
+        if self._offload is not None and self._offload.stepped:
+            raise RuntimeError("clip_grad_norm_: the host already updated the offloaded units with these gradients "
+                               "during train_step's backward (each unit as its gradients arrived); to clip, set "
+                               "pm.offload_overlap = False before train_step, so the host updates after the backward")
         if self._zero is not None:
             return self._zero.clip_grad_norm_(max_norm)
         return gradients.clip_grad_norm(self.program, self._params, max_norm)
@@ -296,21 +329,46 @@ class ParallelModel:
     def stored_weights(self) -> dict[str, torch.Tensor]:
         """Each local shard's weights at full precision, by FQN, shaped like ``named_parameters()``:
         the parameters themselves; at 16 bits their fp32 masters (gathered from the slices:
-        collective, ``Zero1.master_weights``); with optimizer offload (below ZeRO-1) their fp32
-        masters in host memory."""
+        collective, ``Zero1.master_weights``); with optimizer offload the fp32 masters in host
+        memory of the offloaded units (every update the host made, one not yet on the device
+        included: ``runtime.offload``)."""
+        off = self._offload
+        if off is not None:
+            off.worker.drain()
         if self._zero is not None:
+            if off is not None and off.pending:   # the slice with the host's runs as they are now (collective)
+                flat = self._zero.shard.detach().clone()
+                for name, master in off.host.masters.items():
+                    at = int(name.split(":")[1])
+                    flat[at:at + master.numel()].copy_(master)
+                return dict(zip(self._params, self._zero.weights_from(flat)))
             return dict(zip(self._params, self._zero.master_weights()))
-        masters = self._offload.masters if self._offload is not None else {}
+        masters = off.host.masters if off is not None else {}
         return {fqn: masters.get(fqn, p) for fqn, p in self._params.items()}
+
+    def weights_loading(self) -> None:
+        """Before a checkpoint is loaded in place: a delayed host update still to come in is
+        applied now (the load then writes over both copies), so ``stored_weights`` are the tensors
+        the load fills."""
+        off = self._offload
+        if off is not None:
+            off.settle()
+            if off.pending:
+                off.host.weights_in()
+                off.pending = False
+                if self._zero is not None:
+                    self._zero.all_gather_params()
 
     def weights_loaded(self) -> None:
         """Bring every copy of the weights up to date after a checkpoint was loaded in place: the
         parameters from the 16-bit path's master slice, ZeRO-1's fp32 slice from the shards, the
         device weights from offloaded masters (``autopar.checkpoint``)."""
+        if self._offload is not None:
+            self._offload.discard()
         if self._zero is not None:
-            self._zero.loaded()   # and, with offload, the slice's master at the next step
+            self._zero.loaded()   # and, with offload, the slice's host runs at the next step
         elif self._offload is not None:
-            self._offload.weights_in()
+            self._offload.host.weights_in()
 
     def persistent_buffers(self) -> dict[str, torch.Tensor]:
         """The buffers the module's own ``state_dict`` holds (what checkpoints and exports carry), by FQN."""

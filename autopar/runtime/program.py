@@ -24,11 +24,12 @@ import torch
 
 from autopar.graph.precision import compute_dtype
 from autopar.graph.rules import is_float
-from autopar.graph.units import stage_of_nodes, zero_units
+from autopar.graph.units import owner_units, stage_of_nodes, zero_units
 from autopar.mesh import Mesh, default_device_type
 from autopar.passes.context_parallel import check_sequence, cp_cuts, cp_pass, local_strategies
 from autopar.passes.device import device_pass
 from autopar.passes.fuse_loss import cross_entropy_kernel_pass
+from autopar.passes.offload_marks import offload_marks_pass
 from autopar.passes.precision import precision_pass
 from autopar.passes.recompute import recompute_pass
 from autopar.passes.shard import shard_pass
@@ -88,7 +89,11 @@ class Program:
     ranks that hold each parameter (every parameter is on pp rank 0 without pp); ``params``: this
     rank's, in the capture's order; ``stages``: the pipeline stages this rank runs; ``stage_of``:
     global node name -> stage, for the pipeline split (None without pp); ``counted``: per token
-    loss the token-mean pass rewrites, whether it is a mean (its scale counts tokens) or a sum."""
+    loss the token-mean pass rewrites, whether it is a mean (its scale counts tokens) or a sum.
+    ``offload_kept``: with offload, this rank's parameters whose optimizer stays on the device
+    (their owner unit is in ``plan.offload_kept``); ``offload_units``: unit index -> the offloaded
+    parameters the graph's marker of that unit reports in the backward (``passes.offload_marks``;
+    empty where the host updates after the backward, ``runtime.offload``)."""
 
     plan: Any
     rank: int
@@ -105,6 +110,8 @@ class Program:
     stages: tuple[int, ...]
     stage_of: dict[str, int] | FromPre | None
     counted: tuple[bool, ...]
+    offload_kept: frozenset = frozenset()
+    offload_units: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def pass_names(self) -> list[str]:
@@ -167,6 +174,12 @@ class Program:
     def offload(self) -> bool:
         """The optimizer steps fp32 masters in host memory (``runtime.offload``)."""
         return self.plan.offload != "none"
+
+    @property
+    def offload_in_backward(self) -> bool:
+        """The graph's markers report each unit's gradients in the backward, where its host update
+        starts (``runtime.offload``)."""
+        return bool(self.offload_units)
 
     @property
     def host_dtype(self) -> torch.dtype | None:
@@ -266,12 +279,19 @@ def program_for(plan, coords, cap, strategies, *, groups: Groups | None = None, 
     if plan.recompute_regions:
         passes.append(PassStep(recompute_pass, dict(regions=[set(r) for r in plan.recompute_regions])))
     holders = _holders(cap, plan, mesh, where)
+    params = _params(plan, mesh, coords, cap, holders)
+    kept, marked = _offload_split(cap, plan, params)
+    if marked and _updates_in_backward(plan, mesh, compile):
+        passes.append(PassStep(offload_marks_pass, dict(units=marked)))
+    else:
+        marked = {}
     n_stages = max(len(plan.stages), 1)
     return Program(plan=plan, rank=rank, coords=coords, mesh=mesh, groups=groups, device=device, compile=compile,
                    loss_kernel=loss_kernel, pre=tuple(pre), passes=tuple(passes),
-                   params=_params(plan, mesh, coords, cap, holders), holders=holders,
+                   params=params, holders=holders,
                    stages=tuple(s for s in range(n_stages) if s % mesh.pp == coords["pp"]),
-                   stage_of=stage_of, counted=tuple(t.counted for t in losses))
+                   stage_of=stage_of, counted=tuple(t.counted for t in losses), offload_kept=kept,
+                   offload_units=marked)
 
 
 def shape_key(shapes) -> tuple[tuple[int, ...], ...]:
@@ -293,6 +313,37 @@ def _rank_of(mesh: Mesh, coords) -> int:
             return matches[0]
     raise ValueError(f"coordinates {coords!r} do not name one rank of the plan's mesh {mesh}: pass a rank number "
                      f"(0 to {world - 1}) or a dict of axis coordinates, e.g. {mesh.coords(world - 1)}")
+
+
+def _offload_split(cap, plan, params: dict[str, ParamShard]) -> tuple[frozenset, dict[int, tuple[str, ...]]]:
+    """With offload: the FQNs of ``params`` whose owner unit ``plan.offload_kept`` keeps on the device,
+    and unit index -> the offloaded ones each unit owns (in capture order)."""
+    if plan.offload == "none":
+        return frozenset(), {}
+    names = [u.name for u in zero_units(cap)]
+    unknown = [u for u in plan.offload_kept if u not in names]
+    if unknown:
+        raise ValueError(f"plan.offload_kept names {', '.join(map(repr, unknown))}, which this model does not have; "
+                         f"its units are {', '.join(names)} (autopar.graph.units.zero_units): keep some of those "
+                         "on the device, or leave offload_kept empty to offload every unit")
+    owners = owner_units(cap)
+    kept = frozenset(f for f in params if owners[f] in plan.offload_kept)
+    marked: dict[int, tuple[str, ...]] = {}
+    for f in params:
+        if f not in kept:
+            k = names.index(owners[f])
+            marked[k] = (*marked.get(k, ()), f)
+    return kept, marked
+
+
+def _updates_in_backward(plan, mesh: Mesh, compile) -> bool:
+    """Whether a unit's gradients are final inside the backward, where its host update may start
+    (``runtime.offload``): the exact update on one stage, outside CUDA graphs (which replay no host
+    work), with no dp or cp sum after the backward (ZeRO-2/3 reduce-scatter within it; ZeRO-1 sums
+    into its slice after it)."""
+    fsdp = plan.zero >= 2 and mesh.dp_shard > 1
+    return (not plan.offload_delay and mesh.pp == 1 and plan.zero != 1 and (mesh.data == 1 or fsdp)
+            and not replays_cuda_graphs(compile))
 
 
 def _zero_step(cap, plan, mesh: Mesh, groups: Groups, compile):

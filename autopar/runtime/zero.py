@@ -119,17 +119,23 @@ class Zero1:
         if groups is None:
             return SliceOptimizer(flat, [(0, 0, self.chunk)], [{}], dict.fromkeys(self.fqns, 0), make)
         group_of = {fqn: k for k, (fqns, _) in enumerate(groups) for fqn in fqns}
-        runs: list[tuple[int, int, int]] = []
+        return SliceOptimizer(flat, sorted(self.slice_runs(group_of.get)), [options for _, options in groups],
+                              group_of, make)
+
+    def slice_runs(self, key) -> list[tuple]:
+        """(key, start, stop) of each maximal run of this rank's slice whose parameters have the same
+        ``key(fqn)``, in slice order (a parameter whose key is None is left out, as is the padding)."""
+        runs: list[tuple] = []
         for fqn, at, n in zip(self.fqns, self.offsets, self.sizes):
             a, b = max(at, self.lo) - self.lo, min(at + n, self.lo + self.chunk) - self.lo
-            k = group_of.get(fqn)
+            k = key(fqn)
             if k is None or a >= b:
                 continue
             if runs and runs[-1][0] == k and runs[-1][2] == a:
                 runs[-1] = (k, runs[-1][1], b)
             else:
                 runs.append((k, a, b))
-        return SliceOptimizer(flat, sorted(runs), [options for _, options in groups], group_of, make)
+        return runs
 
     def _computed(self, main: torch.Tensor, grad: torch.Tensor) -> None:
         """A tensor hook: with ``weight_pass``, a 16-bit gradient added into its fp32 buffer ``main``."""
@@ -217,8 +223,13 @@ class Zero1:
         if self.dtype is None:
             return list(self.params)
         self.pull_changed()
+        return self.weights_from(self.shard.detach())
+
+    def weights_from(self, slice_: torch.Tensor) -> list[torch.Tensor]:
+        """Each local shard's weights rebuilt from every rank's ``slice_`` (gathered: collective),
+        shaped like it (offload's host masters, whose update the device has not taken yet)."""
         with torch.no_grad():
-            flat = self.gathered_slices(self.shard.detach())
+            flat = self.gathered_slices(slice_)
         return [piece.view(p.shape) for p, piece in zip(self.params, flat[:sum(self.sizes)].split(self.sizes))]
 
     def loaded(self) -> None:
@@ -291,14 +302,16 @@ class SliceOptimizer:
     (by group, then position); a range is a view of ``flat`` (the whole range: ``flat`` itself)
     whose gradient, at each step, is the same range of ``flat.grad``. ``options``: each group's
     own hyperparameters; ``group_of``: FQN -> group of every parameter the optimizer steps
-    (checkpoints file its state under its group). ``make(param_groups)`` builds the optimizer."""
+    (checkpoints file its state under its group). ``make(param_groups)`` builds the optimizer.
+    ``pieces``: the tensor each range steps, when not a view of ``flat`` (offload's host masters:
+    ``runtime.offload_optimizer``, which steps them itself)."""
 
     def __init__(self, flat: torch.Tensor, ranges: list[tuple[int, int, int]], options: list[dict],
-                 group_of: dict[str, int], make):
+                 group_of: dict[str, int], make, pieces: list[torch.Tensor] | None = None):
         self.flat, self.ranges, self.group_of = flat, ranges, group_of
-        whole = ranges == [(0, 0, flat.numel())]
+        whole = ranges == [(0, 0, flat.numel())] and pieces is None
         # plain views (no autograd): torch optimizers take them as leaves and update flat in place
-        self.pieces = [flat] if whole else [flat.detach()[a:b] for _, a, b in ranges]
+        self.pieces = pieces if pieces is not None else [flat] if whole else [flat.detach()[a:b] for _, a, b in ranges]
         self.inner = make([{**opts, "params": [t for t, (g, _, _) in zip(self.pieces, ranges) if g == k]}
                            for k, opts in enumerate(options)])
 
