@@ -24,10 +24,7 @@ from torch.library import custom_op
 
 from autopar.graph.capture import copy_graph
 
-try:
-    from torch._library.effects import EffectType
-except ImportError:   # torch before the public enum: the same values under the HOP module's name
-    from torch._higher_order_ops.effects import _EffectType as EffectType
+from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 
 _LISTENER: list = [None]
 
@@ -51,7 +48,10 @@ def _(grads, unit):
     return None
 
 
-offload_unit_ready.register_effect(EffectType.ORDERED)
+if hasattr(offload_unit_ready, "register_effect"):
+    offload_unit_ready.register_effect(_EffectType.ORDERED)
+else:   # torch before CustomOpDef.register_effect (2.11): the registry takes the overload
+    _register_effectful_op(torch.ops.autopar.offload_unit_ready.default, _EffectType.ORDERED)
 
 
 class _UnitMark(torch.autograd.Function):
