@@ -58,6 +58,7 @@ class _UnitMark(torch.autograd.Function):
     @staticmethod
     def forward(ctx, unit, *params):
         ctx.unit = unit
+        ctx.set_materialize_grads(False)   # a parameter the step did not use has no gradient, as unmarked
         return tuple(p.view_as(p) for p in params)
 
     @staticmethod
@@ -79,9 +80,11 @@ def offload_marks_pass(gm: GraphModule, *, units: dict[int, tuple[str, ...]]) ->
     last = [n for n in g.nodes if n.op == "placeholder"][-1]
     at = last
     for k, fqns in sorted(units.items()):
-        phs = [by_fqn[f] for f in fqns if f in by_fqn and by_fqn[f].users]
-        if not phs:
-            continue
+        missing = [f for f in fqns if f not in by_fqn]
+        if missing:
+            raise ValueError(f"offload_marks_pass: unit {k}'s parameters {', '.join(missing)} are not inputs of "
+                             "this graph")
+        phs = [by_fqn[f] for f in fqns]   # all of them, in order: the runtime reads the gradients by position
         users = {ph: list(ph.users) for ph in phs}
         with g.inserting_after(at):
             mark = g.call_function(unit_mark, (k, *phs))

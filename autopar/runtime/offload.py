@@ -311,7 +311,7 @@ class Offload:
         final = {}
         for k, g in zip(names, grads):
             held = self.host.grad_of(k)   # earlier microbatches' sum: autograd adds this one after the backward
-            final[k] = g if held is None or g is None else held + g
+            final[k] = held if g is None else g if held is None else held + g
         event = torch.cuda.current_stream().record_event() if self.host.cuda else None
         self._release(event)
         self._unreleased.append(unit)
