@@ -61,8 +61,11 @@ class ParallelModel:
 
     With ``plan.offload`` "optimizer" the fp32 master weights and the optimizer state live in
     host memory and ``optimizer(cls, ...)`` steps them on the CPU (``autopar.runtime.offload``);
-    at bf16 the parameters on the device are then bf16 themselves. Any other optimizer over
-    ``parameters()`` raises at its ``step()``.
+    at bf16 the parameters on the device are then bf16 themselves. The units ``plan.offload_kept``
+    names keep theirs on the device, stepped there beside the host (``runtime.offload_optimizer``).
+    Where a unit's gradients are final inside the backward, ``train_step`` starts its host update
+    there (``offload_overlap``); ``plan.offload_delay`` = 1 lands each host update one step late.
+    Any other optimizer over ``parameters()`` raises at its ``step()``.
 
     ``program`` is this rank's share of the plan as data (``autopar.runtime.program``), from which
     it was built; ``graph_module`` the program's graph as the passes left it (before any pipeline
