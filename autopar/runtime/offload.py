@@ -355,12 +355,12 @@ class Offload:
         landed (a delayed update stays pending: its weights come in at the next ``opt.step()``)."""
         self.worker.drain()
         self.host.landed()
-        self.stepped = False
 
     def discard(self) -> None:
-        """After a checkpoint load: the pending delayed update is dropped (its masters were loaded over)."""
+        """After a checkpoint load: a pending delayed update, or one the backward ran, is dropped
+        (its masters were loaded over)."""
         self.settle()
-        self.pending = False
+        self.pending = self.stepped = False
 
 
 @contextlib.contextmanager

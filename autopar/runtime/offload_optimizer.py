@@ -153,7 +153,7 @@ class OffloadOptimizer:
         off, host, split = self.offload, self.offload.host, self.split
         if off.stepped:   # the host updated in the backward
             off.settle()
-            hosted = False
+            off.stepped = hosted = False
         else:
             off.worker.drain()
             host.pull_changed()

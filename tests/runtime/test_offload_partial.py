@@ -55,6 +55,7 @@ def _one(rank, world, mesh, zero, name, compile, delay):
     curve = [pm.train_step(*inputs).item()]
     # whether the host's update already ran during train_step's backward
     early = any(not torch.equal(before[f], t) for f, t in pm.stored_weights().items())
+    pm.eval_step(*inputs)   # a forward between the backward and the step updates nothing twice
     opt.step()
     for _ in range(STEPS - 1):
         opt.zero_grad()
