@@ -18,7 +18,9 @@ from collections import Counter
 
 import torch
 
+from autopar.cost_model.state import state_bytes, state_shards
 from autopar.cost_model.terms import step_time
+from autopar.graph.precision import compute_dtype, working_copy_ratio
 from autopar.mesh import Mesh
 from autopar.plans import Plan
 from autopar.rehearsal import CollectiveCount, Rehearsal
@@ -65,7 +67,7 @@ def rehearse(model, mesh, example_inputs, *, rank="worst", steps: int = 5, warmu
         groups = process_groups(the_mesh, plan.zero, local.type)
         program = program_for(plan, chosen, cap, strategies, groups=groups, device=local, compile=compile)
         measured = run_rank(model, program, cap, tally, steps=steps, warmup=warmup, log=say)
-    planned_params = sum(math.prod(plan.held_shape(plan.param(f))) * _itemsize(stored[f]) for f in program.params)
+    planned_params = planned_param_bytes(plan, cap, program.params, stored)
     report = _report(plan, program, measured, why, predicted_peak, planned_params, here)
     say(" ".join(report.lines()[1].split()))
     return dataclasses.replace(plan, rehearsals=(*plan.rehearsals, report))
@@ -134,6 +136,23 @@ def _check_fits(peak: float, rank: int, device: torch.device) -> None:
         raise ValueError(f"rank {rank} of this plan is predicted to peak at {peak / gib:.1f} GiB, {(peak - capacity) / gib:.1f} "
                          f"GiB more than {what} holds ({capacity / gib:.1f} GiB): rehearse it on a larger device, or plan "
                          "with a smaller microbatch (microbatches=...) or more recompute")
+
+
+def planned_param_bytes(plan: Plan, cap, fqns, stored: dict) -> int:
+    """The bytes of the parameter tensors the plan has a rank hold for ``fqns`` (its parameters;
+    ``stored``: FQN -> the model's dtype of each): each at ``Plan.held_shape``, at the compute
+    dtype where the plan's state table holds the weights so (``cost_model.state.state_bytes``:
+    at 16 bits below a sharded ZeRO-2/3, the distributed optimizer's 16-bit parameters, with
+    their fp32 masters in the optimizer's slice), else as stored (fp32, or ZeRO-2/3's dp shards,
+    the masters themselves)."""
+    mesh = Mesh.of_plan(plan)
+    ratio = working_copy_ratio(cap)
+    offload = plan.offload != "none"
+    per = state_bytes(plan.zero, state_shards(mesh, plan.zero, ratio, offload), ratio, offload)
+    narrowed = compute_dtype(plan.precision) if ratio and not per.gathered else None
+    return sum(math.prod(plan.held_shape(plan.param(f)))
+               * _itemsize(narrowed if narrowed is not None and stored[f].is_floating_point else stored[f])
+               for f in fqns)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
