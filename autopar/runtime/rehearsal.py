@@ -317,9 +317,15 @@ def _is_attention(event) -> bool:
 
 def held_bytes(pm, opt) -> int:
     """Bytes of the tensors a rank holds between steps: its parameters (``pm``, a ParallelModel),
-    their gradients, its optimizer state (``opt``) and buffers (each storage once)."""
+    their gradients, its optimizer state (``opt``, or the torch optimizer it wraps: ZeRO-1's and the
+    distributed optimizer's step a flat slice), the flat slice and the fp32 gradient buffer of
+    ``pm.zero``, and its buffers (each storage once)."""
+    while not hasattr(opt, "state") and hasattr(opt, "inner"):
+        opt = opt.inner
+    zero = pm.zero
+    flat = [] if zero is None else [t for t in (zero.shard, zero.shard.grad, zero.main) if t is not None]
     seen, total = set(), 0
-    tensors = [*pm.parameters(), *(p.grad for p in pm.parameters() if p.grad is not None),
+    tensors = [*pm.parameters(), *(p.grad for p in pm.parameters() if p.grad is not None), *flat,
                *(v for state in getattr(opt, "state", {}).values() for v in state.values() if isinstance(v, torch.Tensor)),
                *pm.persistent_buffers().values()]
     for t in tensors:

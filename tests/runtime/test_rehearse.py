@@ -128,6 +128,14 @@ def test_only_the_ranks_shards_are_made(case):
     assert r.param_bytes == held * (2 if knobs.get("precision") == "bf16" and knobs.get("zero") == 1 else 4)
 
 
+def test_a_cpu_peak_counts_the_distributed_optimizers_state():
+    plan = _rehearsed((2, 1, 2), rank=1, plan="megatron", zero=1, precision="bf16")
+    (r,) = plan.rehearsals
+    # held through the step beside the 16-bit parameters: their fp32 gradient buffer (twice their
+    # bytes), the fp32 master and AdamW's two moments split over dp 2 (three times): docs/design.md's table
+    assert r.peak_bytes >= r.param_bytes * (1 + 2 + 3)
+
+
 def test_worst_rank_is_the_fullest_pipeline_rank():
     plan = _rehearsed((1, 2, 2), plan="megatron")
     (r,) = plan.rehearsals
