@@ -18,9 +18,11 @@ from collections import Counter
 
 import torch
 
-from autopar.cost_model.state import state_bytes, state_shards
+from autopar.cost_model.context import GRADIENT_SYNC
+from autopar.cost_model.state import regathered_bytes, state_bytes, state_shards
 from autopar.cost_model.terms import step_time
 from autopar.graph.precision import compute_dtype, working_copy_ratio
+from autopar.graph.units import zero_units
 from autopar.mesh import Mesh
 from autopar.plans import Plan
 from autopar.rehearsal import CollectiveCount, Rehearsal
@@ -68,7 +70,7 @@ def rehearse(model, mesh, example_inputs, *, rank="worst", steps: int = 5, warmu
         program = program_for(plan, chosen, cap, strategies, groups=groups, device=local, compile=compile)
         measured = run_rank(model, program, cap, tally, steps=steps, warmup=warmup, log=say)
     planned_params = planned_param_bytes(plan, cap, program.params, stored)
-    report = _report(plan, program, measured, why, predicted_peak, planned_params, here)
+    report = _report(plan, program, measured, why, predicted_peak, planned_params, here, cap, strategies)
     say(" ".join(report.lines()[1].split()))
     return dataclasses.replace(plan, rehearsals=(*plan.rehearsals, report))
 
@@ -159,8 +161,55 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
+def planned_collectives(plan: Plan, pp: int, fqns, cap, strategies) -> tuple[Counter, Counter]:
+    """(kind, axis, phase) -> count, and -> bytes, of the collectives ``plan`` records for one rank of
+    pipeline rank ``pp`` holding the parameters ``fqns`` per step. A plan records the whole model's:
+    with pipeline stages a rank issues only those of its stages' modules (a record at a module
+    path no stage holds, the top level's, goes with the record before it: the ops between two
+    modules run on the stage of the one before, those before every module on the first) and its
+    share of the gradient sync recorded for all parameters (``GRADIENT_SYNC``): of the parameters'
+    local elements, and for ZeRO-3's backward re-gather, of the bytes its units gather again."""
+    count, nbytes = Counter(), Counter()
+    mesh = Mesh.of_plan(plan)
+    if mesh.pp == 1:
+        for c in plan.collectives:
+            count[(c.kind, c.axis, c.phase)] += c.count
+            nbytes[(c.kind, c.axis, c.phase)] += c.bytes
+        return count, nbytes
+    mine = [m for st in plan.stages if st.rank == pp for m in st.modules]
+    staged = [m for st in plan.stages for m in st.modules]
+    every = math.fsum(math.prod(p.local_shape) for p in plan.parameters)
+    share = math.fsum(math.prod(plan.param(f).local_shape) for f in fqns) / every if every else 1.0
+    again = share
+    if plan.zero == 3:
+        units = zero_units(cap)
+        regathered = [(b, any(_within(m, mine) for m in u.modules))
+                      for u, b in zip(units, regathered_bytes(cap, strategies, units, mesh.tp))
+                      if u.name not in plan.keep_gathered]
+        total = math.fsum(b for b, _ in regathered)
+        again = math.fsum(b for b, ours in regathered if ours) / total if total else 0.0
+    ours = plan.stages[0].rank == pp
+    for c in plan.collectives:
+        key = (c.kind, c.axis, c.phase)
+        if c.where == GRADIENT_SYNC:
+            count[key] += c.count
+            nbytes[key] += round(c.bytes * (again if (c.kind, c.phase) == ("all_gather", "bwd") else share))
+            continue
+        if _within(c.where, staged):
+            ours = _within(c.where, mine)
+        if ours:
+            count[key] += c.count
+            nbytes[key] += c.bytes
+    return count, nbytes
+
+
+def _within(where: str, modules) -> bool:
+    """Whether the module path ``where`` is one of ``modules`` or inside one."""
+    return any(where == m or where.startswith(m + ".") for m in modules)
+
+
 def _report(plan: Plan, program, measured, why: str, predicted_peak: float, planned_params: int,
-            device: str) -> Rehearsal:
+            device: str, cap, strategies) -> Rehearsal:
     """The Rehearsal of ``measured`` (``runtime.rehearsal.Measured``), ``program``'s, against ``plan``."""
     mesh = program.mesh
     terms = plan.step_terms
@@ -170,10 +219,7 @@ def _report(plan: Plan, program, measured, why: str, predicted_peak: float, plan
         bubble, predicted_update = terms.bubble, terms.update_s
     else:
         comm, bubble, predicted_update = plan.predicted_comm_s, 0.0, plan.predicted_update_s
-    planned = Counter(), Counter()
-    for c in plan.collectives:
-        planned[0][(c.kind, c.axis, c.phase)] += c.count
-        planned[1][(c.kind, c.axis, c.phase)] += c.bytes
+    planned = planned_collectives(plan, program.coords["pp"], program.params, cap, strategies)
     keys = list(dict.fromkeys([*planned[0], *measured.collectives]))
     colls = tuple(CollectiveCount(kind, axis, *measured.collectives.get((kind, axis, phase), (0, 0)),
                                   planned[0][(kind, axis, phase)], planned[1][(kind, axis, phase)], phase)

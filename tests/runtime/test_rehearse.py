@@ -93,21 +93,28 @@ def test_tp_rank_issues_exactly_the_plans_collectives():
     assert _issued(r) == _planned(r) and len(_issued(r)) == 3
 
 
-def test_both_pipeline_ranks_add_up_to_the_plans_tp_collectives_and_send_each_microbatch():
-    first = _rehearsed((1, 2, 2), rank=0, plan="megatron")
-    last = _rehearsed((1, 2, 2), rank=3, plan="megatron")
+# a plan records the whole model's collectives; a pipeline rank is compared with its stages' and its share
+# of the gradient sync (the tied embedding and head: on both stages, each syncs its copy)
+def test_each_pipeline_rank_issues_its_stages_collectives_and_sends_each_microbatch():
+    first = _rehearsed((2, 2, 2), rank=0, plan="megatron", zero=1)
+    last = _rehearsed((2, 2, 2), rank=7, plan="megatron", zero=1)
     m = first.microbatches
-    act = BATCH // m * SEQ * TINY.n_embd * 4 // (2 if first.sequence_parallel else 1)   # sequence-sharded over tp
-    tp = {}
+    act = BATCH // 2 // m * SEQ * TINY.n_embd * 4 // (2 if first.sequence_parallel else 1)   # sequence-sharded over tp
+    whole = _summed((c.kind, c.axis, c.count, c.bytes) for c in first.collectives)
+    tp, sync = {}, {}
     for plan in (first, last):
         (r,) = plan.rehearsals
         issued = _issued(r)
         assert issued[("send", "pp")] == issued[("recv", "pp")] == (m, m * act)   # activations one way, gradients back
+        assert all(c.agrees for c in r.collectives if c.planned_count)
+        assert {k for k in issued if k[1] == "tp"} == {k for k in _planned(r) if k[1] == "tp"}
         for key, (n, b) in issued.items():
-            if key[1] == "tp":
-                tp[key] = (tp.get(key, (0, 0))[0] + n, tp.get(key, (0, 0))[1] + b)
-    assert tp == {k: v for k, v in _planned(first.rehearsals[0]).items() if k[1] == "tp"}
-    assert first.rehearsals[0].coords == "pp 0 tp 0" and last.rehearsals[0].coords == "pp 1 tp 1"
+            into = tp if key[1] == "tp" else sync if key[1] == "dp" and key[0] != "all_reduce" else {}
+            into[key] = (into.get(key, (0, 0))[0] + n, into.get(key, (0, 0))[1] + b)
+    assert tp == {k: v for k, v in whole.items() if k[1] == "tp"}
+    for key in (("reduce_scatter", "dp"), ("all_gather", "dp")):
+        assert whole[key][1] < sync[key][1] < 2 * whole[key][1]
+    assert first.rehearsals[0].coords == "dp 0 pp 0 tp 0" and last.rehearsals[0].coords == "dp 1 pp 1 tp 1"
 
 
 # at bf16 the fp32 model's parameters are held at 16 bits below ZeRO-2 (the distributed optimizer's), and
