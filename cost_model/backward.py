@@ -8,6 +8,7 @@ one memory sum (``cost_model.memory``).
 """
 from __future__ import annotations
 
+import math
 from itertools import accumulate
 
 import torch
@@ -36,19 +37,32 @@ def _backward_transient(node: Node, s, size: int) -> float:
     """Bytes of gradient buffers alive at once while ``node``'s backward runs, on top of what is kept.
 
     An op's backward holds its output's gradient and writes its inputs' gradients. Cross-entropy
-    is log-softmax then NLL: two (N, V) buffers, the NLL gradient and the logits' gradient; for a
-    GPT's large vocabulary this is the step's largest transient (measured on an H200: 1.59 GiB
-    for two 0.77 GiB buffers). ``s``: the node's strategy."""
+    (``loss_buffer``) holds one buffer: ``s``, the node's strategy, says which."""
+    if node.target is aten.cross_entropy_loss.default:
+        return loss_buffer(node, s, size)
     ins = [(a, s.inputs[k]) for k, a in enumerate(node.all_input_nodes)
            if a.meta.get("kind") not in ("param", "buffer") and isinstance(a.meta.get("val"), torch.Tensor)
            and a.meta["val"].is_floating_point()]
     in_bytes = sum(shape_bytes(local_shape(tuple(a.meta["val"].shape), pl, size), a.meta["val"].dtype) for a, pl in ins)
-    if node.target is aten.cross_entropy_loss.default:
-        return 2 * in_bytes
     val = node.meta["val"]
     return shape_bytes(local_shape(tuple(val.shape), s.output, size), val.dtype) + in_bytes
 
 
+
+
+def loss_buffer(node: Node, s, size: int) -> float:
+    """Bytes a cross-entropy ``node`` (strategy ``s``) adds in its backward beyond what is kept, under
+    torch.compile. Over logits sharded by vocabulary (``ops.vocab_parallel_cross_entropy``) the
+    gradient of its picked target logits is scattered into zeros of the rank's (N, V/tp) logits in
+    fp32, the dtype a loss computes in (``graph.precision.LOSS_OPS``), and the softmax's gradient is
+    added into it before it is cast into the logits' own buffer: one fp32 (N, V/tp) buffer, twice
+    the 16-bit logits (Inductor's backward on CPU, torch 2.13: a (2048, 4000) fp32 buffer beside the
+    kept bf16 logits at the step's peak, and at fp32 one buffer the logits' size). A whole-vocabulary
+    cross-entropy's backward writes its gradient into its logits' buffer: none."""
+    if s.local != "vocab_parallel_cross_entropy":
+        return 0.0
+    logits = node.args[0]
+    return 4.0 * math.prod(local_shape(tuple(logits.meta["val"].shape), s.inputs[0], size))
 
 
 def backward_excess(nodes, kept: dict, strategies: dict, size: int, grads: dict, grads_held: bool,
@@ -130,7 +144,9 @@ def _backward_ops(nodes, strategies: dict, size: int, params: tuple) -> tuple:
         mine = set(params)
         for n in nodes:
             t = index[n]
-            if n.op != "call_function" or node_flops(n) == (0.0, 0.0):
+            # an op that computes allocates in its backward, and so does a loss over sharded logits
+            if n.op != "call_function" or (node_flops(n) == (0.0, 0.0) and not (
+                    n.target is aten.cross_entropy_loss.default and loss_buffer(n, strategies[n], size))):
                 continue
             dtype = getattr(n.meta.get("val"), "dtype", None)
             # a 16-bit weight gradient is a buffer of its own until it is cast into the fp32 gradient
