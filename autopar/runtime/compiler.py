@@ -30,16 +30,15 @@ def lower(gm: torch.fx.GraphModule, compile, *, regather: bool = False, order=No
         gm.real_recompile()
     if regather and compile == "aot_eager":
         return torch.compile(gm, backend=_aot_eager_regathering())
-    options = {"joint_custom_pre_pass": RegatherInBackward()} if compile is True and regather else None
+    # Inductor by any of its names takes the joint pass (a mode or "inductor" without it saved every
+    # gathered weight: ZeRO-2's memory)
+    named = compile is True or compile == "inductor" or compile in MODES
+    options = {"joint_custom_pre_pass": RegatherInBackward()} if named and regather else None
+    if named:
+        backend = torch._TorchCompileInductorWrapper(compile if compile in MODES else None, options, None)
+        return torch.compile(gm, backend=order.wrap(backend) if order is not None else backend)
     if order is not None and uses_inductor(compile):
-        named = compile is True or compile == "inductor" or compile in MODES
-        backend = (torch._TorchCompileInductorWrapper(compile if compile in MODES else None, options, None)
-                   if named else compile)
-        return torch.compile(gm, backend=order.wrap(backend))
-    if options:
-        return torch.compile(gm, options=options)
-    if compile is True or compile in MODES:
-        return torch.compile(gm, mode=None if compile is True else compile)
+        return torch.compile(gm, backend=order.wrap(compile))
     return torch.compile(gm, backend=compile)
 
 
