@@ -57,8 +57,8 @@ def rehearse(model, mesh, example_inputs, *, rank="worst", steps: int = 5, warmu
     the_mesh = Mesh.of_plan(plan)
     chosen, why = _chosen(plan, the_mesh, rank)
     local = _local_device()
-    predicted_peak = _predicted_peak(plan, the_mesh.coords(chosen)["pp"])
-    _check_fits(predicted_peak, chosen, local)
+    peak = predicted_peak(plan, the_mesh.coords(chosen)["pp"])
+    _check_fits(peak, chosen, local)
     if plan.device != here:
         warnings.warn(f"autopar.rehearse: the plan was priced for {plan.device!r} but runs here on {here!r}: its "
                       "rehearsed figures compare different chips", stacklevel=2)
@@ -70,7 +70,7 @@ def rehearse(model, mesh, example_inputs, *, rank="worst", steps: int = 5, warmu
         program = program_for(plan, chosen, cap, strategies, groups=groups, device=local, compile=compile)
         measured = run_rank(model, program, cap, tally, steps=steps, warmup=warmup, log=say)
     planned_params = planned_param_bytes(plan, cap, program.params, stored)
-    report = _report(plan, program, measured, why, predicted_peak, planned_params, here, cap, strategies)
+    report = _report(plan, program, measured, why, peak, planned_params, here, cap, strategies)
     say(" ".join(report.lines()[1].split()))
     return dataclasses.replace(plan, rehearsals=(*plan.rehearsals, report))
 
@@ -82,7 +82,7 @@ def worst_rank(plan: Plan) -> tuple[int, str]:
     mesh = Mesh.of_plan(plan)
     if mesh.pp == 1 or not plan.memory:
         return 0, "every rank alike: the first"
-    peak = {r: _predicted_peak(plan, r) for r in range(mesh.pp)}
+    peak = {r: predicted_peak(plan, r) for r in range(mesh.pp)}
     busy = Counter()
     for s in plan.stages:
         busy[s.rank] += s.predicted_time_s
@@ -111,7 +111,7 @@ def predicted_compute_s(plan: Plan, pp: int) -> float:
     return plan.step_terms.compute if plan.step_terms is not None else plan.predicted_compute_s
 
 
-def _predicted_peak(plan: Plan, pp: int) -> float:
+def predicted_peak(plan: Plan, pp: int) -> float:
     """The plan's peak bytes for pipeline rank ``pp`` (each stage's MemoryPlan holds its rank's peak)."""
     peaks = [m.peak for m in plan.memory if m.stage % plan.mesh[1] == pp]
     return max(peaks, default=0.0)
@@ -208,7 +208,7 @@ def _within(where: str, modules) -> bool:
     return any(where == m or where.startswith(m + ".") for m in modules)
 
 
-def _report(plan: Plan, program, measured, why: str, predicted_peak: float, planned_params: int,
+def _report(plan: Plan, program, measured, why: str, peak: float, planned_params: int,
             device: str, cap, strategies) -> Rehearsal:
     """The Rehearsal of ``measured`` (``runtime.rehearsal.Measured``), ``program``'s, against ``plan``."""
     mesh = program.mesh
@@ -230,7 +230,7 @@ def _report(plan: Plan, program, measured, why: str, predicted_peak: float, plan
     return Rehearsal(rank=program.rank, coords=coords, why=why, device=device, priced_on=plan.device,
                      steps=measured.steps, compute_s=measured.compute_s, predicted_compute_s=predicted_compute,
                      update_s=measured.update_s, predicted_update_s=predicted_update, peak_bytes=measured.peak_bytes,
-                     predicted_peak_bytes=predicted_peak, memory=measured.memory, param_bytes=measured.param_bytes,
+                     predicted_peak_bytes=peak, memory=measured.memory, param_bytes=measured.param_bytes,
                      planned_param_bytes=int(planned_params), comm_s=comm, bubble_s=bubble,
                      step_s=step_time(measured.compute_s, [comm, bubble], measured.update_s),
                      predicted_step_s=plan.predicted_step_time, collectives=colls, ops=measured.ops)

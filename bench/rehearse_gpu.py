@@ -5,6 +5,7 @@
     python bench/rehearse_gpu.py --taught DIR               # then, anywhere: calibrate and re-price
     python bench/rehearse_gpu.py --list
     python bench/rehearse_gpu.py --out DIR tiny             # the script's smoke test (on the CPU too)
+    python bench/rehearse_gpu.py --dry                      # every case planned, none run (on the CPU too)
 
 Each case plans a model on the meta device for its full mesh (priced for this GPU's preset, or
 --device PROFILE.json), runs one rank alone on this GPU under a world whose collectives move no
@@ -14,6 +15,10 @@ make, the collectives issued against the plan's. ``--out DIR`` writes each rehea
 DIR/CASE.json and the reports as DIR/results.json (both as each case ends). A case runs in a
 child process so that one that runs out of memory does not end the others (its error is printed
 in its place).
+
+``--dry`` needs no GPU: each case is built and planned as a run would plan it (priced for h100
+unless --device says otherwise), and the rank a run would rehearse is printed with its predicted
+compute and peak, each case in a child process as a run's; nothing is run.
 
 ``--taught DIR`` needs no GPU: it teaches the plans' device profile what the rehearsed ranks'
 matmuls and fused attention took (``calibrate.with_rehearsals``), writes it to DIR/taught.json,
@@ -80,6 +85,26 @@ def _case(name: str):
     return model, inputs, mesh, knobs
 
 
+def dry_case(name: str, device: str | None) -> dict:
+    """Plan case ``name`` in this process as ``run_case`` would, run nothing; the rank it would
+    rehearse and the plan's figures for it, as a dict."""
+    import autopar
+    from autopar.mesh import Mesh
+    from autopar.rehearsing import predicted_compute_s, predicted_peak, worst_rank
+
+    model, inputs, mesh, knobs = _case(name)
+    t0 = time.perf_counter()
+    plan = autopar.plan(model, mesh, inputs, device=device or "h100", **knobs)
+    rank, why = worst_rank(plan)
+    pp = Mesh.of_plan(plan).coords(rank)["pp"]
+    peak, compute = predicted_peak(plan, pp), predicted_compute_s(plan, pp)
+    lines = [f"planned {plan.mesh} cp={plan.cp} zero={plan.zero} microbatches={plan.microbatches} recompute "
+             f"{len(plan.recompute_regions)} regions, priced for {plan.device}: rank {rank} ({why}) predicted "
+             f"compute {compute * 1e3:.1f} ms, peak {peak / 2**30:.2f} GiB"]
+    return dict(case=name, seconds=time.perf_counter() - t0, mesh=mesh, knobs=knobs, device=device, lines=lines,
+                dry=True)
+
+
 def run_case(name: str, device: str | None, steps: int, warmup: int, out: Path | None) -> dict:
     """Rehearse case ``name`` in this process; its report as a dict."""
     import autopar
@@ -142,6 +167,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="directory for each rehearsed plan's JSON and the reports")
     parser.add_argument("--taught", type=Path, metavar="DIR", help="calibrate from DIR's rehearsals and re-price them")
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
+    parser.add_argument("--dry", action="store_true", help="plan each case as a run would, run none (no GPU needed)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.list:
@@ -151,13 +177,19 @@ def main() -> int:
     if args.taught:
         return taught(args.taught)
     if args.child:
-        print(json.dumps(run_case(args.child, args.device, args.steps, args.warmup, args.out)))
+        report = (dry_case(args.child, args.device) if args.dry
+                  else run_case(args.child, args.device, args.steps, args.warmup, args.out))
+        print(json.dumps(report))
         return 0
+    unknown = [name for name in args.cases if name not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}: the cases are {', '.join(CASES)}")
     failed, results = 0, []
     for name in args.cases or list(CASES):
         cmd = [sys.executable, __file__, "--child", name, "--steps", str(args.steps), "--warmup", str(args.warmup)]
         cmd += ["--device", args.device] if args.device else []
-        cmd += ["--out", str(args.out)] if args.out else []
+        cmd += ["--out", str(args.out)] if args.out and not args.dry else []
+        cmd += ["--dry"] if args.dry else []
         done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         print(f"== {name}: python bench/rehearse_gpu.py {name}" + (f" --device {args.device}" if args.device else ""),
               flush=True)
@@ -166,10 +198,13 @@ def main() -> int:
             print(f"  failed (exit {done.returncode}; its log above)", flush=True)
             continue
         report = json.loads(done.stdout.strip().splitlines()[-1])
+        print("\n".join(report["lines"]))
+        if args.dry:
+            print(f"  {report['seconds']:.0f} s", flush=True)
+            continue
         results.append(report)
         if args.out:
             (args.out / "results.json").write_text(json.dumps(results, indent=1))
-        print("\n".join(report["lines"]))
         ok = abs(report["compute_ratio"] - 1) <= 0.10 and abs(report["memory_ratio"] - 1) <= 0.05
         print(f"  compute x{report['compute_ratio']:.3f}, peak memory x{report['memory_ratio']:.3f}: "
               f"{'within' if ok else 'outside'} 10% / 5%; {report['seconds']:.0f} s", flush=True)

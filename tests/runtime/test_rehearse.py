@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ import autopar
 from autopar import rehearsing
 from autopar.examples.gpt import GPT, example_inputs
 from autopar.plans import Plan
+import cli
 from cli import main as cli_main
 from parity import SEQ, TINY
 
@@ -227,3 +230,16 @@ def test_cli_rehearses_a_rank(tmp_path):
     bad = cli_main("rehearse", f"{tmp_path / 'tiny.py'}:make", "--mesh", "2,1,2", "--rank", "9",
                             "--batch", "8", "--seq", "12", "--device", "cpu")
     assert bad.returncode == 2 and "outside the plan's world of 4 ranks" in bad.stderr
+
+
+def test_the_gpu_script_plans_its_cases_without_a_gpu():
+    """bench/rehearse_gpu.py: its cases list, and --dry plans a case in a child process as a run
+    would (the Llama cases take a minute or so together: ``--dry`` with no case names)."""
+    script = str(Path(__file__).resolve().parents[2] / "bench" / "rehearse_gpu.py")
+    listed = cli.run([sys.executable, script, "--list"])
+    assert listed.returncode == 0 and "70b-recipe" in listed.stdout, listed.stderr[-2000:]
+    dry = cli.run([sys.executable, script, "--dry", "tiny"], timeout=300)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert "== tiny" in dry.stdout and "rank 0 (the fullest pipeline rank, pp 0" in dry.stdout
+    bad = cli.run([sys.executable, script, "--dry", "nonesuch"])
+    assert bad.returncode == 2 and "unknown case(s) nonesuch" in bad.stderr
