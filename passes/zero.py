@@ -85,9 +85,13 @@ def zero_pass(gm: GraphModule, *, units: list[list[str]], rows: dict[str, int], 
     g = out.graph
     unit = _unit_index(units)
 
+    # a unit starts at its first op of the capture's: the nodes an earlier pass made outside every
+    # unit (cp's cuts of whole values, placed before their first consumer) would start the last unit
+    # where the graph starts, and its gathers before the launches they wait on
+    named = {name for names in units for name in names}
     first_op: dict[int, torch.fx.Node] = {}
     for n in g.nodes:
-        if n.op == "call_function":
+        if n.op == "call_function" and n.meta.get("origin", n.name) in named:
             first_op.setdefault(unit(n), n)
     # unit k's gathers are launched where unit k-1 starts (the unit before it that has ops)
     order = sorted(first_op)

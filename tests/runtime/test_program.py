@@ -31,7 +31,7 @@ HSDP = {"dp_replicate": 2, "dp_shard": 2}
 CP = {"dp": 2, "cp": 2}
 # mesh, knobs: each ZeRO path, tp, pp, cp and their groups
 MESHES = {"3d-zero3": ((2, 2, 2), dict(zero=3)), "hsdp-zero3": (HSDP, dict(zero=3)), "hsdp-zero1": (HSDP, dict(zero=1)),
-          "cp-zero1": (CP, dict(zero=1)), "pp-cp-tp-bf16": ({"pp": 2, "cp": 2, "tp": 2}, dict(precision="bf16"))}
+          "cp-zero1": (CP, dict(zero=1)), "cp-zero3": (CP, dict(zero=3)), "pp-cp-tp-bf16": ({"pp": 2, "cp": 2, "tp": 2}, dict(precision="bf16"))}
 
 
 def _inputs():
@@ -232,3 +232,15 @@ def test_parallelize_holds_exactly_what_its_program_names(world):
             assert case["same_params"] and case["same_passes"]
             real, placeholder = case["patterns"]
             assert real == placeholder
+
+
+def test_a_cp_rank_launches_each_zero3_prefetch_before_its_gather():
+    """cp's cuts of whole values (nodes of no unit, placed where the graph starts) do not start a unit:
+    each gather waits on a launch made before it (the zero pass's lint refused the graph before)."""
+    _, _, cap, _ = _planned("cp-zero3")
+    for p in _programs("cp-zero3"):
+        assert _options(p, "zero_pass")["prefetch"]
+        gm, _, _ = rewritten(p, cap)
+        order = {n: k for k, n in enumerate(gm.graph.nodes)}
+        launches = [n for n in gm.graph.nodes if n.target is C.prefetch_gather]
+        assert launches and all(order[n] < order[u] for n in launches for u in n.users)
