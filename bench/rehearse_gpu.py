@@ -17,8 +17,9 @@ child process so that one that runs out of memory does not end the others (its e
 in its place).
 
 ``--dry`` needs no GPU: each case is built and planned as a run would plan it (priced for h100
-unless --device says otherwise), and the rank a run would rehearse is printed with its predicted
-compute and peak, each case in a child process as a run's; nothing is run.
+unless --device says otherwise), the program of the rank a run would rehearse is built for a GPU
+(its passes run on the meta capture, as a run's first step), and the rank is printed with its
+predicted compute and peak, each case in a child process as a run's; nothing is run.
 
 ``--taught DIR`` needs no GPU: it teaches the plans' device profile what the rehearsed ranks'
 matmuls and fused attention took (``calibrate.with_rehearsals``), writes it to DIR/taught.json,
@@ -88,19 +89,28 @@ def _case(name: str):
 def dry_case(name: str, device: str | None) -> dict:
     """Plan case ``name`` in this process as ``run_case`` would, run nothing; the rank it would
     rehearse and the plan's figures for it, as a dict."""
-    import autopar
+    import torch
+
     from autopar.mesh import Mesh
+    from autopar.planner.decide import decide
     from autopar.rehearsing import predicted_compute_s, predicted_peak, worst_rank
+    from autopar.runtime.groups import Groups
+    from autopar.runtime.lowering import rewritten
+    from autopar.runtime.program import program_for
 
     model, inputs, mesh, knobs = _case(name)
     t0 = time.perf_counter()
-    plan = autopar.plan(model, mesh, inputs, device=device or "h100", **knobs)
+    cap, strategies, plan = decide(model, mesh, inputs, device=device or "h100", **knobs)
     rank, why = worst_rank(plan)
-    pp = Mesh.of_plan(plan).coords(rank)["pp"]
+    the_mesh = Mesh.of_plan(plan)
+    program = program_for(plan, rank, cap, strategies, groups=Groups.placeholders(the_mesh, plan.zero, "nccl"),
+                          device=torch.device("cuda"))
+    rewritten(program, cap)
+    pp = the_mesh.coords(rank)["pp"]
     peak, compute = predicted_peak(plan, pp), predicted_compute_s(plan, pp)
     lines = [f"planned {plan.mesh} cp={plan.cp} zero={plan.zero} microbatches={plan.microbatches} recompute "
              f"{len(plan.recompute_regions)} regions, priced for {plan.device}: rank {rank} ({why}) predicted "
-             f"compute {compute * 1e3:.1f} ms, peak {peak / 2**30:.2f} GiB"]
+             f"compute {compute * 1e3:.1f} ms, peak {peak / 2**30:.2f} GiB; its passes: {', '.join(program.pass_names)}"]
     return dict(case=name, seconds=time.perf_counter() - t0, mesh=mesh, knobs=knobs, device=device, lines=lines,
                 dry=True)
 
