@@ -10,7 +10,8 @@ calls and the pipeline's sends and receives all reach it, so the tally is what t
 
 Bytes are counted as a plan records them (``autopar.plans.CollectivePlan``: full tensor sizes):
 an all-reduce its tensor, an all-gather its output, a reduce-scatter its input, an all-to-all its
-input, a send or receive its tensor. Outputs are left as allocated (no data moves), but for a
+input, a send or receive its tensor. An all-to-all that sends to one peer and receives from one
+(ring attention's step) is a "send_recv", the kind plans record it as. Outputs are left as allocated (no data moves), but for a
 receive's buffer, filled with ones (see ``SilentGroup.recv``).
 
 Objects over the wire do not work (``all_gather_object``, ``broadcast_object_list``): their sizes
@@ -132,7 +133,11 @@ class SilentGroup(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced   # the older name
 
     def all_to_all_single(self, output, input, output_splits=None, input_splits=None, opts=None):
-        return self._count("all_to_all", _nbytes(input), output)
+        # one block to one peer and one from another: a ring's step (ring attention's), which plans
+        # record as a send and receive
+        ring = input_splits is not None and sum(1 for n in input_splits if n) == 1 \
+            and sum(1 for n in output_splits or () if n) == 1
+        return self._count("send_recv" if ring else "all_to_all", _nbytes(input), output)
 
     alltoall_base = all_to_all_single   # the older name
 
