@@ -23,8 +23,8 @@ def plan(model, mesh, example_inputs, *, device="h100", gpus_per_node=8, world_s
     {"dp_replicate", "dp_shard"} for HSDP: ZeRO shards over dp_shard and all-reduces across the
     replicas; ``autopar.Mesh.parse``) or "auto" (then ``world_size`` devices are ranked; the ranking
     is in the plan's notes). ``knobs`` are parallelize's: plan, sequence_parallel, recompute,
-    memory_budget, schedule, microbatches, zero, offload, stages, virtual_stages, precision, keep_gathered,
-    cp_attention."""
+    memory_budget, schedule, microbatches, zero, offload, offload_delay, stages, virtual_stages, precision,
+    keep_gathered, cp_attention."""
     return decide(model, mesh, example_inputs, device=device, gpus_per_node=gpus_per_node, world_size=world_size,
                   **knobs)[2]
 
@@ -62,8 +62,8 @@ def default_gpus_per_node() -> int:
 
 
 def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="auto", recompute="none",
-                memory_budget=None, schedule="1F1B", microbatches=None, zero=0, offload="none", compile=True,
-                device=None, gpus_per_node=None, stages=None, virtual_stages=None, precision="fp32",
+                memory_budget=None, schedule="1F1B", microbatches=None, zero=0, offload="none", offload_delay=0,
+                compile=True, device=None, gpus_per_node=None, stages=None, virtual_stages=None, precision="fp32",
                 loss_kernel="auto", keep_gathered="auto", cp_attention="auto"):
     """Plan ``model`` for ``mesh`` and build this rank's parallel program.
 
@@ -80,8 +80,13 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
     ``offload``: "none"; "optimizer" (ZeRO-Offload: the fp32 master weights and the optimizer
     state live in host memory and the CPU steps them; the device keeps the working weights and
     their gradients; build the optimizer with ``pm.optimizer(cls, ...)``,
-    ``autopar.runtime.offload``); "auto" (the planner offloads only when the plan misses
-    ``memory_budget``, by default the device's memory, without it and fits with it).
+    ``autopar.runtime.offload``); a fraction in [0, 1] (that share of the optimizer state, by
+    bytes, on the host, in whole units: those whose gradients are final earliest in the backward;
+    the other units' state stays on the device, ``plan.offload_kept``); "auto" (nothing offloaded
+    where the plan fits ``memory_budget``, by default the device's memory, without it; else the
+    split of fastest predicted step that fits the device and the host, chosen with recompute).
+    ``offload_delay``: 1 lands the host's update one step late (ZeRO-Offload's delayed update: it
+    overlaps the next step); 0, the default, keeps the update exact.
     ``device``: the cost model's device preset or profile (default: this machine's kind,
     ``default_device``). ``gpus_per_node``: ranks sharing a node's fast links, for pricing
     axes that span nodes (default: ``default_gpus_per_node``).
@@ -112,10 +117,10 @@ def parallelize(model, mesh, example_inputs, *, plan="auto", sequence_parallel="
     auto = isinstance(mesh, str) and mesh == "auto"
     mesh_ = None if auto else Mesh.parse(mesh)
     if mesh_ is not None:
-        check_knobs(mesh_, recompute, schedule, zero, sequence_parallel, offload)
+        check_knobs(mesh_, recompute, schedule, zero, sequence_parallel, offload, offload_delay)
         mesh_.check_world(world)
     knobs = dict(sequence_parallel=sequence_parallel, recompute=recompute, memory_budget=memory_budget,
-                 schedule=schedule, microbatches=microbatches, zero=zero, offload=offload,
+                 schedule=schedule, microbatches=microbatches, zero=zero, offload=offload, offload_delay=offload_delay,
                  device=device or default_device(),
                  gpus_per_node=gpus_per_node or default_gpus_per_node(),
                  stages=stages, virtual_stages=virtual_stages, precision=precision, keep_gathered=keep_gathered,

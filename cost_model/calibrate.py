@@ -24,7 +24,8 @@ What is measured, on CUDA when it is available, else on the CPU:
   memory and the GPU (each way timed with CUDA events; on the CPU, where host and device are one,
   a memory copy's bytes over its time), and ``host_adam_rate``, fp32 parameters per second of one
   CPU AdamW step (fused where this torch build has the CPU kernel, else foreach) over 1e8
-  parameters on a GPU host, 3.4e7 on a CPU-only one (a quarter of that with ``quick``).
+  parameters on a GPU host, 3.4e7 on a CPU-only one (a quarter of that with ``quick``), and
+  ``host_memory_bytes``, the machine's memory over the ranks of a node.
 - Kernel launch overhead: a run of tiny in-place adds, time per op. The cost model uses it as
   the floor of any op's time.
 - Collectives, when a process group of several ranks exists (``torchrun``, or
@@ -62,7 +63,7 @@ import torch.distributed as dist
 from scipy.optimize import nnls
 
 from .comm import axis_is_inter_node, collective_bytes_on_wire
-from .devices import DEVICES, AttentionSample, CollectiveFit, DeviceSpec, MatmulSample, get_device
+from .devices import DEVICES, AttentionSample, CollectiveFit, DeviceSpec, MatmulSample, get_device, machine_memory
 from autopar.graph.views import VIEW_OPS
 from .strategy import op_traffic
 
@@ -421,10 +422,6 @@ def _guess_base(device: str) -> str:
                      f"pass --base with the closest preset ({', '.join(DEVICES)}) or a profile path")
 
 
-def _host_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def calibrate(*, quick: bool = False, base: str | DeviceSpec | None = None, name: str | None = None,
               mesh: tuple[int, int, int] | None = None, reference=None,
               log: Callable[[str], None] = lambda s: None) -> tuple[DeviceSpec, dict]:
@@ -489,9 +486,10 @@ def calibrate(*, quick: bool = False, base: str | DeviceSpec | None = None, name
     spec = _with_network(base_spec, network, per_node)
     spec = replace(spec, name=name or f"{'cuda ' + torch.cuda.get_device_name() if gpu else 'cpu'} (measured)",
                    peak_flops=peaks, matmul_efficiency=efficiency, mem_bandwidth=bandwidth,
-                   memory_bytes=torch.cuda.get_device_properties(0).total_memory if gpu else _host_memory(),
+                   memory_bytes=torch.cuda.get_device_properties(0).total_memory if gpu else machine_memory(),
                    launch_overhead=launch, fused_bandwidth=fused, optimizer_bandwidth=optimizer,
                    host_bandwidth=min(host_copy), host_adam_rate=host_adam,
+                   host_memory_bytes=machine_memory() // max(1, per_node),
                    matmul_table=tuple(table), attention_table=tuple(attention),
                    gpus_per_node=per_node)
     record = {
@@ -614,7 +612,8 @@ def summary(spec: DeviceSpec) -> str:
                      f"{spec.optimizer_bandwidth / 1e9:.1f} GB/s (0: copy bandwidth)")
     if spec.host_bandwidth or spec.host_adam_rate:
         lines.append(f"  offload: host copies {spec.host_bandwidth / 1e9:.1f} GB/s each way, CPU AdamW "
-                     f"{spec.host_adam_rate / 1e9:.2f}e9 parameters/s")
+                     f"{spec.host_adam_rate / 1e9:.2f}e9 parameters/s, "
+                     f"{spec.host_memory_bytes / 2**30:.1f} GiB of host memory per device (0: unknown)")
     lines.append(f"  memory bandwidth {spec.mem_bandwidth / 1e9:.1f} GB/s, launch overhead "
                  f"{spec.launch_overhead * 1e6:.2f} us, matmul efficiency {spec.matmul_efficiency:.2f}")
     for f in spec.collective_fits:

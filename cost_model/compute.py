@@ -290,6 +290,14 @@ OFFLOAD_CHUNK = 2**28
 HOST_ADAMW_BYTES = 28.0
 
 
+def check_host_figures(dev: DeviceSpec) -> None:
+    """Refuse to price optimizer offload on a profile that does not say how fast its host is."""
+    if not dev.host_bandwidth or not dev.host_adam_rate:
+        raise ValueError(f"device {dev.name!r} has no host_bandwidth / host_adam_rate, which optimizer offload "
+                         "is priced with: measure them with `python -m autopar calibrate --out dev.json`, or add "
+                         "them to the profile (bytes/s of pinned copies each way; fp32 parameters/s of CPU AdamW)")
+
+
 def offload_update_time(params: float, dev: DeviceSpec, *, chunk: int = OFFLOAD_CHUNK) -> float:
     """Seconds of an offloaded AdamW step over ``params`` fp32 parameters (ZeRO-Offload's), run in
     chunks of ``chunk`` parameters: chunk i's gradients copied out (4 bytes each, at
@@ -308,10 +316,7 @@ def offload_update_time(params: float, dev: DeviceSpec, *, chunk: int = OFFLOAD_
     once the step's backward (one compiled autograd node, whose gradients all land at its end) and
     its dp sum are done. Without a GPU the copies are plain host copies, in turn (priced the same).
     Raises ValueError when the device profile does not say how fast its host is."""
-    if not dev.host_bandwidth or not dev.host_adam_rate:
-        raise ValueError(f"device {dev.name!r} has no host_bandwidth / host_adam_rate, which optimizer offload "
-                         "is priced with: measure them with `python -m autopar calibrate --out dev.json`, or add "
-                         "them to the profile (bytes/s of pinned copies each way; fp32 parameters/s of CPU AdamW)")
+    check_host_figures(dev)
     if params <= 0:
         return 0.0
     full, rest = divmod(params, chunk)

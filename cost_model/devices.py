@@ -24,6 +24,8 @@ A profile may carry what was measured, and the cost model then prices with it:
   (what optimizer offload moves gradients out and weights back in at); 0 when unknown.
 - ``host_adam_rate``: fp32 parameters per second the host's CPU AdamW updates (fused where
   torch has it on the CPU, else foreach), for optimizer offload; 0 when unknown.
+- ``host_memory_bytes``: host memory one device's rank may fill with offloaded optimizer state
+  (the node's memory over its GPUs); 0 when unknown: then this machine's (``host_memory``).
 - ``collective_fits``: alpha-beta fits per collective kind and network tier, used instead of
   the tier's ``*_node_bw`` / ``*_node_latency`` for that kind (``collective_params``).
 
@@ -144,6 +146,7 @@ class DeviceSpec:
     optimizer_bandwidth: float = 0.0
     host_bandwidth: float = 0.0
     host_adam_rate: float = 0.0
+    host_memory_bytes: int = 0
     matmul_table: tuple[MatmulSample, ...] = ()
     attention_table: tuple[AttentionSample, ...] = ()
     collective_fits: tuple[CollectiveFit, ...] = ()
@@ -282,9 +285,9 @@ _FLOAT_FIELDS = ("mem_bandwidth", "intra_node_bw", "inter_node_bw", "intra_node_
                  "inter_node_latency", "matmul_efficiency", "launch_overhead", "fused_bandwidth",
                  "optimizer_bandwidth", "host_bandwidth", "host_adam_rate")
 _OPTIONAL = ("gpus_per_node", "launch_overhead", "fused_bandwidth", "optimizer_bandwidth", "host_bandwidth",
-             "host_adam_rate", "matmul_table",
+             "host_adam_rate", "host_memory_bytes", "matmul_table",
              "attention_table", "collective_fits")
-_INT_FIELDS = ("memory_bytes", "gpus_per_node")
+_INT_FIELDS = ("memory_bytes", "gpus_per_node", "host_memory_bytes")
 
 
 def _is_num(v: Any) -> bool:
@@ -377,6 +380,9 @@ def _validate(spec: DeviceSpec) -> None:
         v = getattr(spec, k)
         if not (_is_num(v) and v >= 0):
             raise ValueError(f"device {spec.name!r}: field {k!r} must be >= 0, got {v!r}")
+    if not (_is_num(spec.host_memory_bytes) and spec.host_memory_bytes >= 0):
+        raise ValueError(f"device {spec.name!r}: field 'host_memory_bytes' must be >= 0 (0: unknown), "
+                         f"got {spec.host_memory_bytes!r}")
     if not (_is_num(spec.matmul_efficiency) and 0 < spec.matmul_efficiency <= 1):
         raise ValueError(f"device {spec.name!r}: field 'matmul_efficiency' must be in (0, 1], "
                          f"got {spec.matmul_efficiency!r}")
@@ -439,6 +445,10 @@ def _curves(samples) -> dict[Any, tuple[tuple[float, ...], tuple[float, ...]]]:
 # 6.7e7 parameters and 4.34e9 over 2.7e8 (the larger, as an offloaded model's shard is).
 HOPPER_HOST_BANDWIDTH = 55e9
 HOPPER_HOST_ADAM_RATE = 4.3e9
+# Host memory per GPU of NVIDIA's 8-GPU servers (DGX A100 640GB, DGX H100, DGX H200: 2 TB each),
+# what offloaded optimizer state may fill on one GPU's behalf; a profile measured on the machine
+# (`python -m autopar calibrate`) carries the machine's own.
+DGX_HOST_MEMORY = 2 * 10**12 // 8
 
 # Presets. Peak numbers are dense (no 2:4 sparsity) from NVIDIA's public data sheets; latencies
 # and matmul efficiencies are estimates meant to be replaced by `python -m autopar calibrate`.
@@ -458,6 +468,7 @@ DEVICES: dict[str, DeviceSpec] = {
         matmul_efficiency=0.80,
         host_bandwidth=HOPPER_HOST_BANDWIDTH,
         host_adam_rate=HOPPER_HOST_ADAM_RATE,
+        host_memory_bytes=DGX_HOST_MEMORY,
     ),
     # H200 SXM data sheet: same tensor-core peaks as H100 SXM, 141 GB HBM3e at 4.8 TB/s,
     # NVLink 900 GB/s bidirectional. Efficiency: a bf16 8192^3 matmul measured 816 of 989
@@ -474,6 +485,7 @@ DEVICES: dict[str, DeviceSpec] = {
         matmul_efficiency=0.82,
         host_bandwidth=HOPPER_HOST_BANDWIDTH,
         host_adam_rate=HOPPER_HOST_ADAM_RATE,
+        host_memory_bytes=DGX_HOST_MEMORY,
     ),
     # A100 80GB SXM data sheet: FP32 19.5 TF, TF32 156 TF, BF16/FP16 312 TF (dense),
     # HBM2e at 2,039 GB/s, NVLink 3 at 600 GB/s bidirectional (300 GB/s per direction).
@@ -492,6 +504,7 @@ DEVICES: dict[str, DeviceSpec] = {
         # The host rate is an estimate (about half the Hopper hosts' per-core figure below).
         host_bandwidth=25e9,
         host_adam_rate=2e9,
+        host_memory_bytes=DGX_HOST_MEMORY,
     ),
     # A modest multi-core CPU running gloo ranks on one host: both network tiers are loopback
     # TCP, so they share one bandwidth and latency. Rough figures, not a data sheet: without
@@ -512,6 +525,17 @@ DEVICES: dict[str, DeviceSpec] = {
         host_adam_rate=2e8,
     ),
 }
+
+
+def machine_memory() -> int:
+    """Bytes of physical memory of this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_memory(spec: DeviceSpec, gpus_per_node: int) -> float:
+    """Host bytes one rank may fill with offloaded optimizer state: the profile's
+    ``host_memory_bytes``, else this machine's memory shared by the ``gpus_per_node`` ranks of a node."""
+    return float(spec.host_memory_bytes or machine_memory() // max(1, gpus_per_node))
 
 
 def get_device(name_or_path: str | os.PathLike | DeviceSpec) -> DeviceSpec:

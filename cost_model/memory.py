@@ -51,19 +51,21 @@ from .context import context_memory
 from .memo import cached, strategies_of
 from .repeats import back, shifted
 from .stages import inflight_microbatches
-from .state import (host_state, param_grad_bytes, param_state, stage_fqns, state_bytes, state_bytes_per_param_byte,
-                    state_shards)
+from .state import (host_state, kept_params, kept_state_bytes, kept_working_copies, param_grad_bytes, param_state,
+                    stage_fqns, state_bytes, state_bytes_per_param_byte, state_shards)
 from .terms import MemoryPlan, memory_plans
 
 
 def memory(cap, strategies, mesh, *, zero: int, microbatches: int, regions, stage_nodes=None, inflight=None,
-           offload: bool = False, kept=(), attention: str = "allgather", tokens: float = 1.0) -> tuple[MemoryPlan, ...]:
+           offload: bool = False, kept=(), attention: str = "allgather", tokens: float = 1.0,
+           offload_kept=()) -> tuple[MemoryPlan, ...]:
     """The MemoryPlan of each stage (``stage_nodes``: each stage's ops, graph order; all of them as one
     stage by default) whose rank holds ``inflight[s]`` of the step's ``microbatches`` there, with
     ``regions`` (lists of nodes) recomputed, on ``mesh`` (its tp, cp, dp_shard and pp), each
-    ``peak`` its rank's (module docstring). ``offload``: the optimizer on the host; ``kept``:
-    ZeRO-3's units kept gathered; ``attention``: how attention runs over cp; ``tokens``: the
-    microbatch's tokens relative to the capture's."""
+    ``peak`` its rank's (module docstring). ``offload``: the optimizer on the host, but for the
+    units ``offload_kept`` (``cost_model.state``); ``kept``: ZeRO-3's units kept gathered;
+    ``attention``: how attention runs over cp; ``tokens``: the microbatch's tokens relative to the
+    capture's."""
     stage_nodes = stage_nodes or (all_ops(cap),)
     inflight = inflight or (1,) * len(stage_nodes)
     working_copy = working_copy_ratio(cap)
@@ -74,27 +76,27 @@ def memory(cap, strategies, mesh, *, zero: int, microbatches: int, regions, stag
     for nodes, f, (kv, in_flight) in zip(stage_nodes, inflight, extra):
         params, grads, optimizer, act, excess = stage_terms(cap, strategies, mesh, nodes, regions, zero=zero,
                                                             microbatches=microbatches, working_copy=working_copy,
-                                                            offload=offload, kept=kept)
+                                                            offload=offload, kept=kept, offload_kept=offload_kept)
         transient = max([0.0] + [b for _, b in excess])
         stages.append(dict(params=params, grads=grads, optimizer=optimizer,
                            activations=f * tokens * (act / cp + kv), transient=tokens * (transient / cp + in_flight),
-                           host=host_state(cap, strategies, mesh, nodes, zero) if offload else 0.0))
+                           host=host_state(cap, strategies, mesh, nodes, zero, offload_kept) if offload else 0.0))
     return memory_plans(stages, mesh.pp)
 
 
 def cut_memory(cap, strategies, mesh, *, bounds, microbatches: int, virtual: int, schedule: str, zero: int,
                regions, offload: bool = False, kept=(), attention: str = "allgather",
-               tokens: float = 1.0) -> tuple[MemoryPlan, ...]:
+               tokens: float = 1.0, offload_kept=()) -> tuple[MemoryPlan, ...]:
     """``memory`` of the stage cut ``bounds`` (over ``layer_units(cap)``; () without pipeline stages)
     on ``mesh``, its stages holding the microbatches in flight that ``schedule`` keeps with
     ``virtual`` stages per pp rank (``stages.inflight_microbatches``)."""
     if not bounds:
         return memory(cap, strategies, mesh, zero=zero, microbatches=microbatches, regions=regions, offload=offload,
-                      kept=kept, attention=attention, tokens=tokens)
+                      kept=kept, attention=attention, tokens=tokens, offload_kept=offload_kept)
     return memory(cap, strategies, mesh, zero=zero, microbatches=microbatches, regions=regions,
                   stage_nodes=stage_nodes(cap, bounds),
                   inflight=inflight_microbatches(mesh.pp, microbatches, virtual, schedule), offload=offload,
-                  kept=kept, attention=attention, tokens=tokens)
+                  kept=kept, attention=attention, tokens=tokens, offload_kept=offload_kept)
 
 
 def with_weights(plans: tuple[MemoryPlan, ...], extra, pp: int) -> tuple[MemoryPlan, ...]:
@@ -134,22 +136,22 @@ def stage_nodes(cap, bounds) -> tuple[tuple, ...]:
 
 
 def unit_memory(cap, strategies, units, mesh, *, zero: int, working_copy: float, regions=(), offload: bool = False,
-                attention: str = "allgather", tokens: float = 1.0):
+                attention: str = "allgather", tokens: float = 1.0, offload_kept=()):
     """(static, act): per layer unit (anything with the ``nodes`` it runs) the stage DP's w_u and a_u
     of the module docstring, with ``regions`` recomputed: its parameters' state with their
-    gradients held (``state_bytes_per_param_byte``) and one microbatch's kept bytes."""
+    gradients held (``state_bytes_per_param_byte``; under ``offload`` a parameter of a unit in
+    ``offload_kept`` at the kept row's figures, ``state.kept_state_bytes``) and one microbatch's
+    kept bytes."""
     tp = mesh.tp
     units = tuple(units)
-    unit_of = {n: k for k, u in enumerate(units) for n in u.nodes}
     state = state_bytes_per_param_byte(mesh, zero, working_copy, offload)
-    params = tuple(cap.params.values())
-    sizes_of = cached(cap.gm.graph, ("unit_param_sizes", units, tp),
-                      lambda: _unit_param_sizes(cap, strategies, units, unit_of, tp),
-                      *strategies_of(strategies, params))
+    on_device = kept_params(cap, offload_kept) if offload else frozenset()
+    mine = kept_state_bytes(zero, state_shards(mesh, zero, working_copy, offload), working_copy)
+    rate = {False: state, True: mine.weights + mine.grads + mine.optimizer}
     static = np.zeros(len(units))
-    for k, sizes in enumerate(sizes_of):
-        for nbytes in sizes:   # in the order the parameters are summed
-            static[k] += nbytes * state
+    for k, sizes in enumerate(_param_sizes(cap, strategies, units, tp)):
+        for fqn, nbytes in sizes:   # in the order the parameters are summed
+            static[k] += nbytes * rate[fqn in on_device]
     regions = tuple(tuple(r) for r in regions)
     act = cached(cap.gm.graph, ("unit_act", units, tp, regions), lambda: _unit_act(cap, strategies, units, tp, regions),
                  *strategies_of(strategies, tuple(cap.gm.graph.nodes))).copy()
@@ -159,14 +161,33 @@ def unit_memory(cap, strategies, units, mesh, *, zero: int, working_copy: float,
     return static, act * tokens
 
 
-def _unit_param_sizes(cap, strategies, units, unit_of, tp: int) -> list[list[float]]:
-    """Per unit, the local bytes of each parameter its ops use, in ``cap.params`` order."""
+def unit_params(cap, strategies, units, tp: int) -> np.ndarray:
+    """Per layer unit, the local bytes of the parameters its ops use (a weight two units use counts in
+    both, as ``unit_memory`` counts it): what a pipeline rank's dp sync and update move
+    (``stages.rank_param_bytes``)."""
+    out = np.zeros(len(tuple(units)))
+    for k, sizes in enumerate(_param_sizes(cap, strategies, units, tp)):
+        for _, nbytes in sizes:
+            out[k] += nbytes
+    return out
+
+
+def _param_sizes(cap, strategies, units, tp: int) -> list[list[tuple[str, float]]]:
+    """Per unit, (FQN, local bytes) of each parameter its ops use, in ``cap.params`` order, once per
+    units, tp and the parameters' strategies (``cost_model.memo``)."""
+    units = tuple(units)
+    return cached(cap.gm.graph, ("unit_param_sizes", units, tp), lambda: _unit_param_sizes(cap, strategies, units, tp),
+                  *strategies_of(strategies, tuple(cap.params.values())))
+
+
+def _unit_param_sizes(cap, strategies, units, tp: int) -> list[list[tuple[str, float]]]:
+    unit_of = {n: k for k, u in enumerate(units) for n in u.nodes}
     out = [[] for _ in units]
-    for node in cap.params.values():
+    for fqn, node in cap.params.items():
         pl = strategies[node].output
         nbytes = float(np.prod(local_shape(tuple(node.meta["val"].shape), pl, tp))) * node.meta["val"].element_size()
         for k in {unit_of[u] for u in node.users if u in unit_of}:
-            out[k].append(nbytes)
+            out[k].append((fqn, nbytes))
     return out
 
 
@@ -180,35 +201,37 @@ def _unit_act(cap, strategies, units, tp: int, regions) -> np.ndarray:
 
 
 def stage_terms(cap, strategies, mesh, nodes, regions, *, zero: int, microbatches: int, working_copy: float,
-                offload: bool = False, kept=()):
+                offload: bool = False, kept=(), offload_kept=()):
     """(params, gradients held through the forward, optimizer, one microbatch's activations,
     [(node, backward excess)]) of one stage's ``nodes`` with ``regions`` recomputed, whole
-    sequences: the terms ``memory`` sums; ``offload`` and ``kept`` (ZeRO-3's units kept gathered)
-    as ``param_state``. Computed once per question (``cost_model.memo``), and for a run of repeated
+    sequences: the terms ``memory`` sums; ``offload``, ``offload_kept`` and ``kept`` (ZeRO-3's
+    units kept gathered) as ``param_state``. Computed once per question (``cost_model.memo``), and for a run of repeated
     blocks as the same run at block 1 where its figures are that run's (``cost_model.repeats``; not
     with units kept gathered, which are named)."""
     nodes = tuple(nodes)
     members = set(nodes)
     mine = tuple(tuple(r) for r in regions if r and r[0] in members)
-    run = None if kept else shifted(cap, strategies, nodes, mine)
+    split = tuple(offload_kept) if offload else ()
+    run = None if kept or split else shifted(cap, strategies, nodes, mine)
     if run is None:
-        return _stage_terms_once(cap, strategies, mesh, nodes, mine, zero, microbatches, working_copy, offload, kept)
+        return _stage_terms_once(cap, strategies, mesh, nodes, mine, zero, microbatches, working_copy, offload, kept,
+                                 split)
     canon, moved, offset = run
     params, grads, opt, act, excess = _stage_terms_once(cap, strategies, mesh, canon, moved, zero, microbatches,
-                                                        working_copy, offload, kept)
+                                                        working_copy, offload, kept, split)
     return params, grads, opt, act, back(cap, excess, offset)
 
 
-def _stage_terms_once(cap, strategies, mesh, nodes, mine, zero, microbatches, working_copy, offload, kept):
+def _stage_terms_once(cap, strategies, mesh, nodes, mine, zero, microbatches, working_copy, offload, kept, split):
     """``_stage_terms``, once per question (``cost_model.memo``)."""
     read = strategies_of(strategies, read_nodes(nodes, mine))
     key = ("stage_terms", nodes, mine, mesh.tp, state_shards(mesh, zero, working_copy, offload), zero, microbatches,
-           working_copy, offload, frozenset(kept))
+           working_copy, offload, frozenset(kept), frozenset(split))
     return cached(nodes[0].graph, key, lambda: _stage_terms(cap, strategies, mesh, nodes, mine, zero, microbatches,
-                                                            working_copy, offload, kept, read), *read)
+                                                            working_copy, offload, kept, split, read), *read)
 
 
-def _stage_terms(cap, strategies, mesh, nodes, mine, zero, microbatches, working_copy, offload, kept, read):
+def _stage_terms(cap, strategies, mesh, nodes, mine, zero, microbatches, working_copy, offload, kept, split, read):
     """``stage_terms`` computed; ``read``: the strategies its figures read, those of ``read_nodes``. What
     the backward keeps and its excess but the gradients' bytes are the same for every ZeRO stage,
     microbatch count and offload choice: kept once per stage, regions and strategies."""
@@ -216,10 +239,13 @@ def _stage_terms(cap, strategies, mesh, nodes, mine, zero, microbatches, working
     # gradients accumulate over the step's microbatches, or into a buffer held through the step
     held = microbatches > 1 or state_bytes(zero, shards, working_copy, offload).buffered
     fqns = stage_fqns(cap, nodes)
-    params, grads, opt = param_state(cap, strategies, fqns, mesh.tp, shards, zero, working_copy, offload, kept)
+    params, grads, opt = param_state(cap, strategies, fqns, mesh.tp, shards, zero, working_copy, offload, kept, split)
+    if offload:
+        params += kept_working_copies(cap, strategies, fqns, mesh.tp, working_copy, split,
+                                      frozenset(n for r in mine for n in r))
     kept = compiled_kept(nodes, strategies, mesh.tp, mine, cap)
     per_param = {cap.params[f]: b for f, b in param_grad_bytes(cap, strategies, fqns, mesh.tp, shards, zero,
-                                                               working_copy, offload).items()}
+                                                               working_copy, offload, split).items()}
     parts = cached(nodes[0].graph, ("excess_parts", nodes, mine, mesh.tp),
                    lambda: excess_parts(nodes, kept, strategies, mesh.tp, tuple(per_param)), *read)
     excess = excess_with_grads(parts, per_param, held)

@@ -19,7 +19,6 @@ from autopar.placement import Shard
 
 from .comm import axis_is_inter_node, collective_time
 from .memo import cached, strategies_of
-from .state import state_bytes_per_param_byte
 from .strategy import OP_OVERHEAD, strategy_time, tensor_bytes, tp_collectives
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
@@ -126,10 +125,7 @@ def _unit_costs(cap, strategies, units, unit_of, tp: int, dev, tp_inter: bool, p
     return time, boundary, tp_time
 
 
-def rank_param_bytes(static, bounds, mesh, zero: int, working_copy: float, offload: bool = False) -> float:
-    """Parameter bytes of the pipeline rank holding the most, read off the units' static bytes
-    (``cost_model.memory.unit_memory``, with ``offload`` as there) under the cut ``bounds``: what
-    its dp sync and update move."""
-    state = state_bytes_per_param_byte(mesh, zero, working_copy, offload)
-    return max(sum(static[a:b].sum() for s, (a, b) in enumerate(bounds) if s % mesh.pp == r)
-               for r in range(mesh.pp)) / state
+def rank_param_bytes(params, bounds, mesh) -> float:
+    """Parameter bytes of the pipeline rank holding the most under the cut ``bounds``, from the units'
+    parameter bytes (``cost_model.memory.unit_params``): what its dp sync and update move."""
+    return max(sum(params[a:b].sum() for s, (a, b) in enumerate(bounds) if s % mesh.pp == r) for r in range(mesh.pp))

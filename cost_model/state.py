@@ -16,6 +16,7 @@ Per parameter, in bytes, with AdamW (two fp32 moments), d the ranks the state is
     ZeRO-2/3 (d = dp_shard)          4/d + gathered 4/d           8/d                -
     offload, ZeRO-0/1                4 or 2         4 or 2        0                  12 (ZeRO-1: 12/d)
     offload, ZeRO-2/3                4/d + gathered 4/d           0                  12/d
+    offload, a kept unit             the fp32 row of its ZeRO stage (``kept_state_bytes``)
 
 So fp32 ZeRO-0 holds 16 bytes per parameter and ZeRO-1 8 + 12/d: its fp32 slice beside the
 whole weights. At 16 bits (bf16 or fp16) ZeRO-0 and ZeRO-1 are Megatron-LM's distributed
@@ -28,6 +29,14 @@ shard itself as the master (FSDP2's mixed precision: 16/d) and gather it at the 
 two units at a time and those kept gathered (``gathered_weights``). The gradients count once
 they outlive a backward (several microbatches accumulate them; with one they arrive during the
 backward, its transient), except the 16-bit buffer, which is held through the step.
+
+Under offload a plan's ``offload_kept`` names the units (``autopar.graph.units.zero_units``) whose
+optimizer stays on the device, each parameter with its owner unit (``owner_units``): the runtime
+keeps such a parameter an fp32 tensor (cast to the compute dtype in the graph at 16 bits) with
+its fp32 gradient and the optimizer state beside it (``autopar.runtime.offload``), the fp32 row
+of its ZeRO stage; every other parameter holds the offload row. So at 16 bits a kept unit holds
+4 + 4 + 8 = 16 bytes per parameter on the device where an offloaded one holds 2 + 2 (and 12 on
+the host); at fp32, 16 against 8.
 """
 from __future__ import annotations
 
@@ -38,7 +47,8 @@ import torch
 from torch.fx import Node
 
 from autopar.graph.capture import graph_cached
-from autopar.graph.units import zero_units
+from autopar.graph.units import owner_units, zero_units
+from autopar.graph.views import VIEW_OPS
 from autopar.placement import local_shape
 
 from .activations import graph_input
@@ -77,6 +87,51 @@ def state_bytes(zero: int, shards: int, working_copy: float, offload: bool = Fal
     return StateBytes(1.0 + (1.0 / d if zero == 1 else 0.0), 1.0, 2.0 / (d if zero else 1))
 
 
+def kept_state_bytes(zero: int, shards: int, working_copy: float) -> StateBytes:
+    """What a parameter of a unit the plan keeps on the device under offload holds per local byte
+    (module docstring): the fp32 row of ``state_bytes`` at ``zero`` over ``shards`` ranks, as the
+    runtime keeps it an fp32 tensor stepped on the device; ZeRO-2/3 still gather it at the compute
+    dtype (``working_copy``)."""
+    per = state_bytes(zero, shards, 0.0)
+    if per.gathered and working_copy:
+        return StateBytes(per.weights, per.grads, per.optimizer, gathered=working_copy)
+    return per
+
+
+def kept_params(cap, offload_kept) -> frozenset[str]:
+    """The FQNs whose owner unit (``owner_units``) is among ``offload_kept`` (unit names): under
+    offload, the parameters whose optimizer stays on the device."""
+    if not offload_kept:
+        return frozenset()
+    owners = owner_units(cap)
+    return frozenset(f for f, unit in owners.items() if unit in offload_kept)
+
+
+# ops whose backward reads their weight operand: they keep it (its 16-bit copy, cast in the graph) for the backward
+_WEIGHT_SAVERS = {aten.linear.default, aten.mm.default, aten.matmul.default, aten.bmm.default, aten.addmm.default}
+
+
+def kept_working_copies(cap, strategies, fqns, tp: int, working_copy: float, offload_kept, recomputed) -> float:
+    """At 16 bits under offload, the bytes of the compute-dtype copies of the kept units' weights
+    among ``fqns`` (fp32 parameters on the device, cast in the graph where first used) that live
+    from the forward to the backward: those of weights a matmul outside the recompute regions
+    (``recomputed``: their nodes) reads, whose backward needs them (directly or through a view);
+    a recomputed region casts its copy again in its backward."""
+    if not working_copy or not offload_kept:
+        return 0.0
+    on_device = kept_params(cap, offload_kept)
+    local = local_param_bytes(cap, strategies, tuple(fqns), tp)
+
+    def saved(node) -> bool:
+        for user in node.users:
+            if user.target in _WEIGHT_SAVERS and user not in recomputed:
+                return True
+            if user.target in VIEW_OPS and saved(user):
+                return True
+        return False
+    return sum(b * working_copy for f, b in local.items() if f in on_device and saved(cap.params[f]))
+
+
 def state_shards(mesh, zero: int, working_copy: float, offload: bool = False) -> int:
     """The ranks ``state_bytes``' d counts for ``mesh`` under ``zero``: dp x cp for the 16-bit
     distributed optimizer at ZeRO-1 over an unsplit dp (its slice is split over every
@@ -110,30 +165,37 @@ def state_floor(param_bytes: float, mesh, zero: int, working_copy: float, microb
 
 
 def param_state(cap, strategies, fqns, tp: int, dp: int, zero: int, working_copy: float, offload: bool = False,
-                kept=()):
+                kept=(), offload_kept=()):
     """(weight bytes, gradient bytes, optimizer bytes) one rank holds on its device of the parameters
     ``fqns``: their local shards under ``strategies`` times ``state_bytes``' figures per byte
     (``dp``: the ranks the state is split over, ``state_shards``), and under ZeRO-2/3 the weights
     gathered at once at the compute dtype on top: ZeRO-2 every unit's, from its forward to its
     backward; ZeRO-3 two units' at a time (the one computing and the next, being gathered), the largest two, and those of the
     units in ``kept`` (a plan's ``keep_gathered``, by unit name) from their forward to their
-    backward: ``gathered_weights``."""
+    backward: ``gathered_weights``. Under ``offload`` the parameters of the units ``offload_kept``
+    keep their optimizer on the device (``kept_state_bytes``)."""
     local = local_param_bytes(cap, strategies, fqns, tp)
     params = sum(local.values())
     per = state_bytes(zero, dp, working_copy, offload)
-    weights = params * per.weights
+    on_device = kept_params(cap, offload_kept) if offload else frozenset()
+    held = sum(b for f, b in local.items() if f in on_device)
+    mine = kept_state_bytes(zero, dp, working_copy)
+    weights = (params - held) * per.weights + held * mine.weights
     if per.gathered:
         gathered = params if zero == 2 else gathered_weights(*unit_gathered_bytes(cap, local), kept)
         weights += gathered * per.gathered
-    return weights, params * per.grads, params * per.optimizer
+    return (weights, (params - held) * per.grads + held * mine.grads,
+            (params - held) * per.optimizer + held * mine.optimizer)
 
 
 def param_grad_bytes(cap, strategies, fqns, tp: int, dp: int, zero: int, working_copy: float,
-                     offload: bool = False) -> dict[str, float]:
+                     offload: bool = False, offload_kept=()) -> dict[str, float]:
     """FQN -> the gradient bytes ``param_state`` counts for that parameter alone (its second term,
     one parameter at a time), without pricing the weights and state the gradient does not need."""
     grads = state_bytes(zero, dp, working_copy, offload).grads
-    return {f: b * grads for f, b in local_param_bytes(cap, strategies, fqns, tp).items()}
+    on_device = kept_params(cap, offload_kept) if offload else frozenset()
+    mine = kept_state_bytes(zero, dp, working_copy).grads
+    return {f: b * (mine if f in on_device else grads) for f, b in local_param_bytes(cap, strategies, fqns, tp).items()}
 
 
 def local_param_bytes(cap, strategies, fqns, tp: int) -> dict[str, float]:
@@ -206,11 +268,14 @@ def regathered_bytes(cap, strategies, units, tp: int) -> list[float]:
     return [sum(everything[f] for f in dict.fromkeys(_regathered(unit, shared))) for unit in units]
 
 
-def host_state(cap, strategies, mesh, nodes, zero: int) -> float:
+def host_state(cap, strategies, mesh, nodes, zero: int, offload_kept=()) -> float:
     """Host bytes of one stage's offloaded optimizer (``autopar.runtime.offload``): the fp32 master
-    beside Adam's two fp32 moments of what this rank steps (``state_bytes``' ``host``)."""
+    beside Adam's two fp32 moments of what this rank steps (``state_bytes``' ``host``), but for the
+    parameters of the units ``offload_kept`` keeps on the device."""
     local = local_param_bytes(cap, strategies, stage_fqns(cap, nodes), mesh.tp)
-    return sum(local.values()) * state_bytes(zero, mesh.dp_shard, 0.0, offload=True).host
+    on_device = kept_params(cap, offload_kept)
+    return sum(b for f, b in local.items() if f not in on_device) * state_bytes(zero, mesh.dp_shard, 0.0,
+                                                                                 offload=True).host
 
 
 @graph_cached

@@ -9,8 +9,9 @@ bubble (``cost_model.stages.pipeline_split``). The communication terms are the t
 between ops (pp = 1, ``tp_comm_time``), the cp collectives (``cost_model.context.cp_seconds``) and
 the dp gradient sync (``dp_sync_time``: with ZeRO-2/3 and the units' figures, only what prefetch
 leaves exposed, ``zero_exposed_time``); ``update`` and ``offload`` are the optimizer step of the
-busiest rank on the device and on the host (``update_terms``, ``compute.update_time``,
-``compute.offload_update_time``). Every search and report adds a step up with
+busiest rank on the device and what the host's leaves exposed (``cost_model.offload``; without
+offload ``update_terms``, ``compute.update_time``). The recomputed regions' forwards are compute
+(``recompute_seconds``). Every search and report adds a step up with
 ``terms.step_time``: the plan (``Plan.predicted_step_time``), the microbatch choice, the mesh
 ranking (through the candidates it ranks) and the symbolic costs, whose terms are sympy
 expressions (the sum is plain arithmetic, so it takes them as it takes floats).
@@ -19,14 +20,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.graph.precision import compute_dtype
-from autopar.mesh import Mesh
 from autopar.placement import local_shape
 
 from .comm import axis_links, collective_time
 from .compute import offload_update_time, update_time
 from .memo import cached, strategies_of
-from .state import state_bytes, state_shards
+from .state import state_shards
 from .strategy import OP_OVERHEAD, strategy_time
 from .terms import StepTerms
 
@@ -157,6 +156,18 @@ def zero_sync_floor(param_bytes: float, mesh, dev, zero: int, gpus_per_node: int
 BACKWARD_SHARE = 2 / 3   # of a unit's compute: a matmul's backward is two matmuls of its forward's size
 
 
+def recompute_seconds(strategies: dict, nodes, tp: int, dev, tp_inter: bool, *, with_comm: bool = False) -> float:
+    """Seconds a backward spends running the forward of the recomputed ``nodes`` again (one
+    microbatch): their share of forward and backward that is forward (1 - ``BACKWARD_SHARE``) under
+    their strategies (``strategy_time``; ``with_comm``: with the collectives inside the ops, as the
+    pipeline's unit seconds count them), launch overhead included. The step's compute counts it
+    for every region (``price_step``'s callers), and recompute="auto" weighs each block's modes by it."""
+    calls = [n for n in nodes if n.op == "call_function"]
+    forward = 1 - BACKWARD_SHARE
+    return forward * (sum(strategy_time(n, strategies[n], tp, dev, tp_inter, with_comm) for n in calls)
+                      + OP_OVERHEAD * len(calls))
+
+
 def zero_exposed_time(gather, regather, scatter, unit_seconds, *, backward_prefetch: bool = False) -> float:
     """Seconds of ZeRO-2/3's collectives (per unit, ``unit_sync_times``) that prefetch leaves
     exposed in one microbatch on one rank, whose units compute ``unit_seconds`` (forward+backward,
@@ -222,19 +233,20 @@ def _zero_unit_figures(strategies: dict, units, tp: int, dev, tp_inter: bool) ->
     return out
 
 
-def rank_unit_figures(time, static, bounds, mesh, state: float) -> list[tuple[float, float]]:
+def rank_unit_figures(time, params, bounds, mesh) -> list[tuple[float, float]]:
     """``dp_sync_time``'s ``units`` with pipeline stages: (parameter bytes, seconds) of the units of
     the pipeline rank holding the most parameters (``stages.rank_param_bytes``'s), read off the
-    units' ``unit_costs`` (``time``, ``static`` bytes, ``state`` of them per parameter byte)
-    under the cut ``bounds``, in the order the rank runs them."""
-    return [(float(static[k]) / state, float(time[k])) for k in rank_units(static, bounds, mesh)]
+    units' seconds (``unit_costs``' ``time``) and parameter bytes (``memory.unit_params``) under
+    the cut ``bounds``, in the order the rank runs them."""
+    return [(float(params[k]), float(time[k])) for k in rank_units(params, bounds, mesh)]
 
 
-def rank_units(static, bounds, mesh) -> list[int]:
+def rank_units(params, bounds, mesh) -> list[int]:
     """The units (indices, in the order it runs them) of the pipeline rank whose units hold the most
-    ``static`` bytes under the cut ``bounds``: the rank ``rank_unit_figures`` prices."""
+    parameter bytes (``params`` per unit) under the cut ``bounds``: the rank ``rank_unit_figures``
+    prices."""
     ranks = [[k for s, (a, b) in enumerate(bounds) if s % mesh.pp == r for k in range(a, b)] for r in range(mesh.pp)]
-    return max(ranks, key=lambda ks: sum(static[k] for k in ks))
+    return max(ranks, key=lambda ks: sum(params[k] for k in ks))
 
 
 def param_byte_time(mesh, dev, *, zero: int, working_copy: bool, gpus_per_node: int = 8) -> float:
@@ -258,22 +270,6 @@ def update_terms(param_bytes: float, mesh, dev, zero: int, working_copy: bool, *
     shards = state_shards(mesh, zero, working_copy, offload) if zero else 1
     device = update_time(param_bytes, dev, working_copy=working_copy, optimizer_shards=shards, offload=offload)
     return device, offload_update_time(param_bytes / 4 / shards, dev) if offload else 0.0
-
-
-def plan_update_terms(memory, mesh, zero: int, precision: str, dev, *, offload: bool = False) -> tuple[float, float]:
-    """``update_terms`` of the pipeline rank holding the most parameters, read off its stages'
-    ``memory`` (a plan's MemoryPlans): their optimizer bytes (offloaded, their host bytes) over what
-    the memory model holds of them per fp32 parameter byte (``cost_model.state.state_bytes``: two
-    moments, at 16 bits with the fp32 master, over the ranks they are sharded on). ``mesh``: a Mesh,
-    or a plan's (dp, pp, tp) (dp then unsplit)."""
-    mesh = Mesh.parse(mesh)
-    pp = mesh.pp
-    working_copy = 0.0 if precision == "fp32" else compute_dtype(precision).itemsize / 4   # per stored fp32 byte
-    per = state_bytes(zero, state_shards(mesh, zero, working_copy, offload), working_copy, offload)
-    held = per.host if offload else per.optimizer
-    per_rank = [sum(m.host if offload else m.optimizer for m in memory if m.stage % pp == r) / held
-                for r in range(pp)] if held else [0.0]
-    return update_terms(max(per_rank, default=0.0), mesh, dev, zero, precision != "fp32", offload=offload)
 
 
 def flat_compute_time(strategies: dict, tp: int, dev, tp_inter: bool, microbatches: int) -> float:

@@ -60,10 +60,10 @@ from .compute import attention_kind, compute_time
 from .devices import DeviceSpec, get_device
 from autopar.graph.views import VIEW_OPS
 
-from .memory import stage_terms, unit_memory
+from .memory import stage_terms, unit_params
 from .stages import inflight_microbatches, pipeline_time, rank_param_bytes, unit_costs
-from .state import regathered_bytes, state_bytes_per_param_byte
-from .step import dp_sync_time, plan_update_terms, rank_unit_figures, rank_units, zero_unit_figures
+from .state import regathered_bytes
+from .step import BACKWARD_SHARE, dp_sync_time, rank_unit_figures, rank_units, zero_unit_figures
 from .strategy import OP_OVERHEAD, comm_bytes, strategy_work, tp_collectives
 from .terms import rank_peaks, step_time
 
@@ -137,8 +137,9 @@ def cost_expr(model: torch.nn.Module, plan, layout, example_inputs=None, *, devi
     to_global = {b: B / (mesh.dp * plan.microbatches)}
     compute, comm = compute.subs(to_global), comm.subs(to_global)
     stage_memory = tuple(m.subs(to_global) for m in stage_memory)
-    update = sympy.Float(sum(plan_update_terms(plan.memory, mesh, plan.zero, plan.precision, dev,
-                                               offload=plan.offload != "none")))
+    # the optimizer's update as the plan priced it: its bytes do not depend on (B, S); the part of
+    # an offloaded host update that the backward hides does, and is taken at the plan's own sizes
+    update = sympy.Float(plan.predicted_update_s)
     return CostExpr(step_time(compute, [comm], update), compute, comm, update, _max(stage_memory), stage_memory, B, S,
                     (b0 * mesh.dp * plan.microbatches, s0))
 
@@ -289,6 +290,7 @@ def _records(cap, plan, layout, mesh, gpus_per_node: int, dev: DeviceSpec | None
             structure["tp"].append((kind, consumer.name))
 
     regions = [[{n.name: n for n in calls}[name] for name in region] for region in plan.recompute_regions]
+    structure["recomputed"] = [n.name for region in regions for n in region]
     stage_nodes = inflight = None
     if plan.stages:
         structure.update(_pipeline(cap, strategies, units, where, plan, mesh, gpus_per_node, working_copy, rec))
@@ -299,7 +301,8 @@ def _records(cap, plan, layout, mesh, gpus_per_node: int, dev: DeviceSpec | None
     for s, nodes in enumerate(stage_nodes or [calls]):
         params, grads, opt, act, excess = stage_terms(cap, strategies, mesh, nodes, regions, zero=plan.zero,
                                                       microbatches=plan.microbatches, working_copy=working_copy,
-                                                      offload=plan.offload != "none", kept=plan.keep_gathered)
+                                                      offload=plan.offload != "none", kept=plan.keep_gathered,
+                                                      offload_kept=plan.offload_kept)
         terms = dict(params=params, grads=grads, optimizer=opt, activations=act * (inflight[s] if inflight else 1))
         for field, value in terms.items():
             rec[("memory", s, field)] = value
@@ -333,12 +336,11 @@ def _dp_sync(cap, strategies, units, bounds, plan, mesh, dev: DeviceSpec, gpus_p
     zero_units_, ranked = None, ()
     if plan.stages:
         time = unit_costs(cap, strategies, units, mesh, dev, gpus_per_node=gpus_per_node)[0]
-        static = unit_memory(cap, strategies, units, mesh, zero=plan.zero, working_copy=working_copy)[0]
-        local = rank_param_bytes(static, bounds, mesh, plan.zero, working_copy)
+        params = unit_params(cap, strategies, units, mesh.tp)
+        local = rank_param_bytes(params, bounds, mesh)
         if plan.zero >= 2 and mesh.dp > 1:
-            zero_units_ = rank_unit_figures(time, static, bounds, mesh,
-                                            state_bytes_per_param_byte(mesh, plan.zero, working_copy))
-            ranked = [units[k] for k in rank_units(static, bounds, mesh)]
+            zero_units_ = rank_unit_figures(time, params, bounds, mesh)
+            ranked = [units[k] for k in rank_units(params, bounds, mesh)]
     else:
         local = sum(float(torch.Size(local_shape(tuple(n.meta["val"].shape), strategies[n].output, mesh.tp)).numel())
                     * n.meta["val"].element_size() for n in cap.params.values())
@@ -406,12 +408,17 @@ def _step_time(rec: dict, st: dict, plan, mesh, dev: DeviceSpec, gpus_per_node: 
         return t
 
     tp_time = [collective_time(kind, rec[("tp", i)], tp, dev, tp_inter) for i, (kind, _) in enumerate(st["tp"])]
+    forward = 1 - BACKWARD_SHARE   # a recomputed op runs its forward again (``step.recompute_seconds``)
     if not plan.stages:
-        compute = m * (_sum(op_time(n, False) for n in st["calls"]) + OP_OVERHEAD * len(st["calls"]))
+        compute = m * (_sum(op_time(n, False) for n in st["calls"]) + OP_OVERHEAD * len(st["calls"])
+                       + forward * (_sum(op_time(n, False) for n in st["recomputed"])
+                                    + OP_OVERHEAD * len(st["recomputed"])))
         return compute, m * _sum(tp_time) + st["dp_sync"]
 
     unit_of = {n: k for k, names in enumerate(st["units"]) for n in names}
     unit_terms = [[OP_OVERHEAD * len(names)] + [op_time(n, True) for n in names] for names in st["units"]]
+    for n in st["recomputed"]:
+        unit_terms[unit_of[n]] += [forward * OP_OVERHEAD, forward * op_time(n, True)]
     for t, (_, consumer) in zip(tp_time, st["tp"]):
         if consumer in unit_of:
             unit_terms[unit_of[consumer]].append(t)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from autopar.cost_model.devices import host_memory
 from autopar.cost_model.memory import cut_memory, unit_memory
+from autopar.cost_model.offload import host_need
 from autopar.cost_model.stages import unit_costs
 from autopar.cost_model.terms import MemoryPlan, StepTerms
 from autopar.errors import PlanError
@@ -77,6 +79,11 @@ class Candidate:
         """Bytes on the fullest rank."""
         return max(m.peak for m in self.memory)
 
+    @property
+    def offload_split(self) -> tuple[str, ...]:
+        """The units keeping their optimizer on the device under offload (() without offload)."""
+        return self.choices.offload_kept if self.choices.offload != "none" else ()
+
     def with_note(self, note: str) -> "Candidate":
         """This candidate with ``note`` added to its plan's notes."""
         return dataclasses.replace(self, notes=self.notes + (note,))
@@ -88,7 +95,7 @@ class Candidate:
         return cut_memory(self.cap, self.strategies, mesh or c.mesh, bounds=self.bounds if bounds is None else bounds,
                           microbatches=c.microbatches, virtual=c.virtual_stages, schedule=c.schedule, zero=c.zero,
                           regions=self.regions if regions is None else regions, offload=c.offload != "none",
-                          kept=c.keep_gathered, attention=c.cp_attention)
+                          kept=c.keep_gathered, attention=c.cp_attention, offload_kept=self.offload_split)
 
     def plan(self, notes: tuple[str, ...] = ()) -> Plan:
         """The Plan, built once: the choices and figures, the given plan's notes and model, ``notes``,
@@ -118,7 +125,26 @@ class Candidate:
         req = self.request
         where = "the memory budget" if req.memory_budget is not None else f"one {req.device.name}"
         fit = fit_warning(plan, req.limit, where, self._full_recompute_peak, self._deeper_pipeline)
-        return tuple(axis_warnings(plan)) + ((fit,) if fit else ())
+        host = self._host_warning()
+        return tuple(axis_warnings(plan)) + ((fit,) if fit else ()) + ((host,) if host else ())
+
+    def _host_warning(self) -> str | None:
+        """A sentence when the host cannot hold the offloaded optimizer of the busiest rank
+        (``cost_model.offload.host_need`` against ``cost_model.devices.host_memory``), None when it can."""
+        c, req = self.choices, self.request
+        if c.offload == "none":
+            return None
+        need, have = host_need(self.memory, c.mesh.pp), host_memory(req.device, req.gpus_per_node)
+        if need <= have:
+            return None
+        gib = 2**30
+        source = (f"the {req.device.name} profile's host_memory_bytes" if req.device.host_memory_bytes
+                  else f"this machine's memory over {req.gpus_per_node} devices")
+        return (f"the host cannot hold this plan's offloaded optimizer: a rank needs {need / gib:.2f} GiB of host "
+                f"memory (the fp32 master and optimizer state of its offloaded units and the gradients' staging "
+                f"buffers) but has {have / gib:.2f} GiB ({source}); keep more units on the device (offload= a "
+                "smaller fraction, or 'auto', which fits the host), use more devices, or give device= a profile "
+                "with the host's memory (host_memory_bytes)")
 
     def _full_recompute_peak(self) -> float | None:
         """The peak with every block recomputed, on this candidate's cut; None without blocks."""
@@ -145,7 +171,8 @@ class Candidate:
                                        gpus_per_node=self.request.gpus_per_node)
         static, act = unit_memory(self.cap, self.strategies, units, mesh, zero=c.zero,
                                   working_copy=working_copy_ratio(self.cap), regions=self.regions,
-                                  offload=c.offload != "none", attention=c.cp_attention)
+                                  offload=c.offload != "none", attention=c.cp_attention,
+                                  offload_kept=self.offload_split)
         while mesh.pp * c.virtual_stages <= len(units) and mesh.pp <= local:
             if local % mesh.pp == 0:
                 _, bounds = min_peak_memory(time / size, static, act / size, boundary / size, p=mesh.pp, m=local,
@@ -153,7 +180,8 @@ class Candidate:
                 # one sequence per microbatch: each of the ``local`` microbatches 1/size of the captured one
                 peaks = cut_memory(self.cap, self.strategies, mesh, bounds=bounds, microbatches=local,
                                    virtual=c.virtual_stages, schedule=c.schedule, zero=c.zero, regions=self.regions,
-                                   offload=c.offload != "none", attention=c.cp_attention, tokens=1 / size)
+                                   offload=c.offload != "none", attention=c.cp_attention, tokens=1 / size,
+                                   offload_kept=self.offload_split)
                 peak = max(m.peak for m in peaks)
                 if peak <= self.request.limit:
                     return (mesh.dp, mesh.pp, mesh.tp), peak

@@ -14,22 +14,26 @@ import math
 
 import numpy as np
 
-from autopar.cost_model.memory import cut_memory, unit_memory
+from autopar.cost_model.comm import axis_is_inter_node
+from autopar.cost_model.devices import host_memory
+from autopar.cost_model.memory import cut_memory, stage_nodes, unit_memory, unit_params
+from autopar.cost_model.offload import host_need, host_needs, offload_timing, plan_update_terms, update_floor
 from autopar.cost_model.stages import rank_param_bytes, unit_costs
-from autopar.cost_model.state import state_bytes_per_param_byte, state_floor
-from autopar.cost_model.step import dp_sync_time, price_step, rank_unit_figures, update_terms, zero_sync_floor
+from autopar.cost_model.state import state_floor
+from autopar.cost_model.step import (BACKWARD_SHARE, dp_sync_time, price_step, rank_unit_figures, recompute_seconds,
+                                     zero_sync_floor)
 from autopar.cost_model.strategy import OP_OVERHEAD
 from autopar.errors import PlanError
 from autopar.graph.precision import retyped, working_copy_ratio
-from autopar.graph.units import layer_units
+from autopar.graph.units import find_blocks, layer_units, zero_units
 from autopar.mesh import Mesh
 from autopar.planner.candidate import Candidate
 from autopar.planner.mesh_search import rank_meshes, ranking_table
-from autopar.planner.price import pipeline_work, price, unit_work
+from autopar.planner.offload_split import fraction_units, kept_units, offload_order, search_split
+from autopar.planner.price import offload_pricer, pipeline_work, price, unit_work
 from autopar.planner.recompute import regions_for
 from autopar.planner.request import Job, microbatch_options
 from autopar.planner.stage_cut import choose_cut
-from autopar.plans import OFFLOADS
 
 
 def plan_mesh(job: Job, mesh: Mesh, microbatches) -> Candidate:
@@ -44,8 +48,9 @@ def plan_mesh(job: Job, mesh: Mesh, microbatches) -> Candidate:
     best = choose_offload(job, mesh, max(options), zero=req.zero, offload=req.offload)
     if len(options) > 1:
         m = best_microbatches(job, best, options)
-        if m != best.choices.microbatches:
-            best = choose_offload(job, mesh, m, zero=best.choices.zero, offload=best.choices.offload)
+        if m != best.choices.microbatches:   # a split (offload="auto", a fraction) is chosen again at m
+            again = best.choices.offload if best.choices.offload == "none" else req.offload
+            best = choose_offload(job, mesh, m, zero=best.choices.zero, offload=again)
     searched = req.searched()
     if searched and best.peak_memory > req.limit:
         c = best.choices
@@ -96,28 +101,143 @@ def _each_choice(choices, decide_at, *, blame=None, quiet: bool = False) -> tupl
 
 
 def choose_offload(job: Job, mesh: Mesh, microbatches: int, *, zero, offload, prune: bool = False) -> Candidate:
-    """``choose_zero`` at ``offload``; for offload="auto", with the optimizer on the device and on the
-    host, keeping the host ("optimizer") only when the plan misses the memory without it and fits
-    with it, else "none" (the one with the least peak when neither fits); the choice is said in the
-    plan's notes. A given plan keeps its own choice. ``prune``: as ``choose_zero``'s."""
+    """``choose_zero`` at ``offload``: "none", "optimizer" (everything offloaded) or a fraction (that
+    share of the optimizer state on the host, in whole units, ``planner.offload_split``). For
+    offload="auto": nothing offloaded where the plan fits the memory without it; else, at each ZeRO
+    stage, the split of fastest step that fits the device and the host, chosen together with
+    recompute (``_split``); the choice and the alternatives priced are said in the plan's notes. A
+    given plan keeps its own choice. ``prune``: as ``choose_zero``'s."""
     req = job.request
     if offload != "auto" or req.given is not None:
         return choose_zero(job, mesh, microbatches, zero=zero, offload="none" if offload == "auto" else offload,
                            prune=prune)
     # a choice fails with no plan within the budget, offload not possible here or not priced on this device
-    tried, failed = _each_choice(OFFLOADS, lambda where: choose_zero(job, mesh, microbatches, zero=zero, offload=where,
-                                                                     prune=prune), blame="none")
+    tried, failed = _each_choice(["none"], lambda where: choose_zero(job, mesh, microbatches, zero=zero, offload=where,
+                                                                     prune=prune), quiet=True)
+    if not (tried and tried["none"].peak_memory <= req.limit):
+        more, worse = _each_choice(["split"], lambda where: choose_zero(job, mesh, microbatches, zero=zero,
+                                                                        offload=where, prune=prune),
+                                   quiet=bool(tried))
+        tried.update({"optimizer": c for c in more.values()})
+        failed.update({"optimizer": e for e in worse.values()})
     fits = {where: d.peak_memory <= req.limit for where, d in tried.items()}
     chosen = "optimizer" if not fits.get("none") and fits.get("optimizer") else "none"
     if not any(fits.values()):   # the least memory, for the error that names it (``no_fit_error``)
         chosen = min(tried, key=lambda where: tried[where].peak_memory)
     why = ("it fits without offload" if fits.get("none") else "only with offload it fits" if fits.get("optimizer")
            else "it does not fit either way; the least memory")
-    rows = "; ".join([f"offload={w}: {d.step_time * 1e3:.3f} ms, {d.peak_memory / 2**30:.2f} GiB"
+    rows = "; ".join([f"offload={w}{_split_text(d)}: {d.step_time * 1e3:.3f} ms, {d.peak_memory / 2**30:.2f} GiB"
                       f"{'' if fits[w] else ' (does not fit)'}" for w, d in tried.items()]
                      + [f"offload={w}: no plan ({e})" for w, e in failed.items()])
     return tried[chosen].with_note(f"offload chosen automatically: offload={chosen}, {why} "
                                    f"(budget {req.limit / 2**30:.2f} GiB; {rows})")
+
+
+def _split_text(cand: Candidate) -> str:
+    """How many units a candidate's offload keeps on the device, for the notes ("" without offload)."""
+    c = cand.choices
+    if c.offload == "none":
+        return ""
+    n = len(zero_units(cand.cap))
+    return f" ({n - len(c.offload_kept)} of {n} units on the host)"
+
+
+def _offloaded(job: Job, mesh: Mesh, microbatches: int, zero: int, offload) -> Candidate:
+    """The candidate at ZeRO stage ``zero`` with ``offload``: "none", "optimizer" (every unit's
+    optimizer on the host), a fraction (``_fraction``) or "split" (offload="auto"'s search, ``_split``)."""
+    if offload == "split":
+        return _split(job, mesh, microbatches, zero)
+    if isinstance(offload, float) and job.request.given is None:
+        return _fraction(job, mesh, microbatches, zero, offload)
+    return price(job, mesh, microbatches, zero, offload)
+
+
+def _fraction(job: Job, mesh: Mesh, microbatches: int, zero: int, fraction: float) -> Candidate:
+    """offload=``fraction``: the units holding the share of the optimizer state nearest it, by bytes,
+    offloaded in the order ``planner.offload_split`` gives (nothing offloaded when that is no unit)."""
+    at = offload_pricer(job, mesh, microbatches, zero)
+    order = offload_order(at.cap, at.strategies, mesh.tp)
+    k = fraction_units(order, fraction)
+    share = sum(b for _, b in order[:k]) / (sum(b for _, b in order) or 1.0)
+    if k == 0:
+        return price(job, mesh, microbatches, zero, "none").with_note(
+            f"offload={fraction}: no unit holds that little of the optimizer state (the smallest, {order[0][0]}, "
+            f"holds {order[0][1] / sum(b for _, b in order):.1%}); nothing offloaded")
+    cand = at(kept_units(order, k))
+    return cand.with_note(f"offload={fraction}: {split_note(cand, order, k, job.request)} ({share:.1%} of the "
+                          f"optimizer state by bytes)")
+
+
+def _split(job: Job, mesh: Mesh, microbatches: int, zero: int) -> Candidate:
+    """offload="auto"'s split at ZeRO stage ``zero`` (``planner.offload_split.search_split``): the
+    fastest that fits the memory budget and the host's memory; where none does, the candidate of
+    least peak the host can hold (for ``no_fit_error``), its note saying what the host lacks."""
+    req = job.request
+    at = offload_pricer(job, mesh, microbatches, zero)
+    order = offload_order(at.cap, at.strategies, mesh.tp)
+    host_limit = host_memory(req.device, req.gpus_per_node)
+    needs = host_needs(order, mesh, zero)
+    k_host = max((k for k, need in enumerate(needs) if need <= host_limit), default=0)
+
+    def price_k(k):
+        return at(kept_units(order, k))
+    found = search_split(len(order), price_k, limit=req.limit, k_host=k_host,
+                         floor=_split_floor(job, at, order, mesh, zero) if mesh.pp == 1 else None)
+    rows = "; ".join([f"{k} on the host: {c.step_time * 1e3:.3f} ms, {c.peak_memory / 2**30:.2f} GiB, "
+                      f"{len(c.regions)} recompute regions{'' if c.peak_memory <= req.limit else ' (does not fit)'}"
+                      for k, c in sorted(found.tried.items())]
+                     + [f"{k} on the host: no plan ({e})" for k, e in sorted(found.failed.items())])
+    host = f"the host holds {host_limit / 2**30:.2f} GiB per device"
+    if found.best is None:
+        k = max(found.tried, default=None)
+        if k is None:
+            raise next(iter(found.failed.values())) if found.failed else PlanError(
+                f"offload='auto': {host}, less than the {needs[1] / 2**30:.2f} GiB the first unit's optimizer "
+                "state needs there; give device= a profile with the host's memory (host_memory_bytes)")
+        lack = (f"; offloading more would need {needs[k + 1] / 2**30:.2f} GiB of host memory, and {host}"
+                if k < len(order) else "")
+        return found.tried[k].with_note(f"offload split chosen automatically: none fits {req.where()}{lack} "
+                                        f"(units priced: {rows})")
+    cand = found.tried[found.best]
+    return cand.with_note(f"offload split chosen automatically: {split_note(cand, order, found.best, req)}; the "
+                          f"fastest step that fits {req.where()} and the host ({host}), offloading first the units "
+                          f"whose gradients are final earliest in the backward (units priced: {rows})")
+
+
+def _split_floor(job: Job, at, order, mesh: Mesh, zero: int):
+    """``search_split``'s floor (``planner.offload_split``'s F(k)) on one stage: the terms no split
+    changes (W, read off any candidate priced), plus ``cost_model.offload.update_floor`` with the
+    longest backward any recompute choice gives."""
+    req = job.request
+    tp_inter = axis_is_inter_node(mesh.tp, 1, req.gpus_per_node)
+    most = regions_for(at.cap, "full") if req.recompute == "auto" and find_blocks(at.cap) else None
+
+    def recomputed(cand, regions) -> float:
+        return cand.choices.microbatches * recompute_seconds(cand.strategies, [n for r in regions for n in r],
+                                                             mesh.tp, req.device, tp_inter) / mesh.cp
+
+    def floor(k: int, priced: Candidate) -> float:
+        t = priced.terms
+        base = t.total - t.update - t.offload - recomputed(priced, priced.regions)
+        longest = most if most is not None else priced.regions
+        return base + update_floor(at.cap, at.strategies, mesh, req.device, zero=zero, precision=req.precision,
+                                   offload_kept=kept_units(order, k), timing=offload_timing(mesh, zero, req.offload_delay),
+                                   regions=longest, window=base + recomputed(priced, longest), tp_inter=tp_inter)
+    return floor
+
+
+def split_note(cand: Candidate, order, k: int, req) -> str:
+    """The units a split puts on the host and keeps on the device, with their bytes there."""
+    host = [name for name, _ in order[:k]]
+    shown = ", ".join(host) if len(host) <= 4 else f"{host[-1]} .. {host[0]}"
+    gib = 2**30
+    state = sum(m.host for m in cand.memory)
+    need = host_need(cand.memory, cand.choices.mesh.pp)
+    kept = sum(m.optimizer for m in cand.memory)
+    return (f"{k} of {len(order)} units on the host ({shown}: {state / gib:.2f} GiB of fp32 master and optimizer "
+            f"state, {need / gib:.2f} GiB of host memory with the gradients' staging buffers), "
+            f"{len(order) - k} keeping their optimizer on the device ({kept / gib:.2f} GiB of optimizer state); "
+            f"step {cand.step_time * 1e3:.3f} ms at a peak of {cand.peak_memory / gib:.2f} GiB")
 
 
 def choose_zero(job: Job, mesh: Mesh, microbatches: int, *, zero, offload, prune: bool = False) -> Candidate:
@@ -130,11 +250,11 @@ def choose_zero(job: Job, mesh: Mesh, microbatches: int, *, zero, offload, prune
     listing the stages is shorter."""
     req = job.request
     if zero != "auto" or req.given is not None:
-        return price(job, mesh, microbatches, 0 if zero == "auto" else zero, offload)
+        return _offloaded(job, mesh, microbatches, 0 if zero == "auto" else zero, offload)
     stages = (0, 1, 2, 3) if mesh.dp_shard > 1 else (0,)
 
     def at(z):
-        return price(job, mesh, microbatches, z, offload)
+        return _offloaded(job, mesh, microbatches, z, offload)
     floors = zero_floors(job, mesh, microbatches, offload, stages) if prune else None
     # a stage fails with no plan within the budget (the ILP's, the stage DP's)
     tried = list((_each_choice(stages, at)[0] if floors is None else _pruned(job, mesh, stages, floors, at)).values())
@@ -215,18 +335,21 @@ def zero_floors(job: Job, mesh: Mesh, microbatches: int, offload: str, choices) 
 def best_microbatches(job: Job, planned: Candidate, options: list[int]) -> int:
     """The microbatch count of the fastest step, from one candidate planned at the most microbatches.
 
-    Per-unit compute, activations and point-to-point bytes scale with the microbatch size; the
-    per-op launch overhead does not. Each count's cut is the stage DP's, checked against the memory
-    model at that microbatch size (``cost_model.memory``'s ``tokens``), with every unit recomputed
-    as ``recompute`` asks (under "auto", none, else all); a count with no cut that fits is skipped.
-    Its step is the one sum of its terms (``cost_model.step.price_step``), cp's taken from
-    ``planned``: each count moves the same tokens over cp."""
+    Per-unit compute, activations, recomputed forwards and point-to-point bytes scale with the
+    microbatch size; the per-op launch overhead does not. Each count's cut is the stage DP's, checked
+    against the memory model at that microbatch size (``cost_model.memory``'s ``tokens``), with
+    every unit recomputed as ``recompute`` asks (under "auto", none, else all); a count with no cut
+    that fits is skipped. Its step is the one sum of its terms (``cost_model.step.price_step``),
+    cp's taken from ``planned``: each count moves the same tokens over cp."""
     req, c = job.request, planned.choices
     cap, strategies, mesh, offload = planned.cap, planned.strategies, c.mesh, c.offload != "none"
     units = layer_units(cap)
     wc = working_copy_ratio(cap)
-    time, boundary, tp = unit_costs(cap, strategies, units, mesh, req.device, gpus_per_node=req.gpus_per_node)
+    dev = req.device
+    time, boundary, tp = unit_costs(cap, strategies, units, mesh, dev, gpus_per_node=req.gpus_per_node)
     overhead = OP_OVERHEAD * np.array([len(u.nodes) for u in units])
+    unit_bytes = unit_params(cap, strategies, units, mesh.tp)
+    tp_inter = axis_is_inter_node(mesh.tp, 1, req.gpus_per_node)
     modes = ["none", "full"] if req.recompute == "auto" else [req.recompute]
     best, best_time = c.microbatches, float("inf")
     for m in options:
@@ -235,16 +358,22 @@ def best_microbatches(job: Job, planned: Candidate, options: list[int]) -> int:
         found = _cut_at(job, planned, units, (scaled, boundary * grow), modes, m, grow)
         if found is None:
             continue
-        cut, static = found
+        cut, regions, memory = found
         # the cut decides which parameters the busiest rank syncs and updates
-        params = rank_param_bytes(static, cut.bounds, mesh, c.zero, wc, offload)
-        figures = rank_unit_figures(scaled, static, cut.bounds, mesh, state_bytes_per_param_byte(mesh, c.zero, wc,
-                                                                                                  offload)) \
-            if c.zero >= 2 and mesh.dp > 1 else None
-        dp = dp_sync_time(params, mesh, req.device, c.zero, req.gpus_per_node, microbatches=m, gathered=wc or 1.0,
+        params = rank_param_bytes(unit_bytes, cut.bounds, mesh)
+        figures = rank_unit_figures(scaled, unit_bytes, cut.bounds, mesh) if c.zero >= 2 and mesh.dp > 1 else None
+        dp = dp_sync_time(params, mesh, dev, c.zero, req.gpus_per_node, microbatches=m, gathered=wc or 1.0,
                           units=figures)
-        update, host = update_terms(params, mesh, req.device, c.zero, wc > 0, offload=offload)
-        work = pipeline_work(cut, tp * grow, boundary * grow, mesh.pp, m, c.virtual_stages)
+        again = []
+        for nodes in map(frozenset, stage_nodes(cap, cut.bounds)):
+            mine = [n for r in regions for n in r if n in nodes]
+            fixed = (1 - BACKWARD_SHARE) * OP_OVERHEAD * len(mine)   # what does not scale with the microbatch
+            again.append((recompute_seconds(strategies, mine, mesh.tp, dev, tp_inter, with_comm=True) - fixed) * grow
+                         + fixed)
+        work, _ = pipeline_work(cut, tp * grow, boundary * grow, mesh.pp, m, c.virtual_stages, again=again)
+        window = price_step(work, dp=dp, cp=planned.terms.cp, update=0.0, offload=0.0, cp_ranks=mesh.cp).total
+        update, host = plan_update_terms(memory, mesh, c.zero, c.precision, dev, offload=offload,
+                                         timing=offload_timing(mesh, c.zero, c.offload_delay), window=window)
         seconds = price_step(work, dp=dp, cp=planned.terms.cp, update=update, offload=host, cp_ranks=mesh.cp).total
         if seconds < best_time:
             best, best_time = m, seconds
@@ -252,26 +381,30 @@ def best_microbatches(job: Job, planned: Candidate, options: list[int]) -> int:
 
 
 def _cut_at(job: Job, planned: Candidate, units, prices, modes, m: int, grow: float):
-    """(the stage cut, the units' static bytes) at ``m`` microbatches of ``grow`` times the captured
-    microbatch's tokens, with the first of ``modes`` whose cut fits the memory; None if none does."""
+    """(the stage cut, its recompute regions, its memory) at ``m`` microbatches of ``grow`` times the
+    captured microbatch's tokens, with the first of ``modes`` whose cut fits the memory; None if
+    none does."""
     req, c = job.request, planned.choices
     time, boundary = prices
     for mode in modes:
         regions = regions_for(planned.cap, mode)
         static, act = unit_memory(planned.cap, planned.strategies, units, c.mesh, zero=c.zero,
                                   working_copy=working_copy_ratio(planned.cap), regions=regions,
-                                  offload=c.offload != "none", attention=c.cp_attention)
+                                  offload=c.offload != "none", attention=c.cp_attention,
+                                  offload_kept=planned.offload_split)
 
-        def peaks(bounds, regions=regions) -> list[float]:
-            return [x.peak for x in cut_memory(planned.cap, planned.strategies, c.mesh, bounds=bounds, microbatches=m,
-                                               virtual=c.virtual_stages, schedule=c.schedule, zero=c.zero,
-                                               regions=regions, offload=c.offload != "none",
-                                               attention=c.cp_attention, tokens=grow)]
+        def memory(bounds, regions=regions):
+            return cut_memory(planned.cap, planned.strategies, c.mesh, bounds=bounds, microbatches=m,
+                              virtual=c.virtual_stages, schedule=c.schedule, zero=c.zero, regions=regions,
+                              offload=c.offload != "none", attention=c.cp_attention, tokens=grow,
+                              offload_kept=planned.offload_split)
         try:
-            return choose_cut((time, static, act * grow, boundary), units, c.mesh, schedule=c.schedule, microbatches=m,
-                              virtual=c.virtual_stages, memory_budget=req.limit, peaks=peaks), static
+            cut = choose_cut((time, static, act * grow, boundary), units, c.mesh, schedule=c.schedule, microbatches=m,
+                             virtual=c.virtual_stages, memory_budget=req.limit,
+                             peaks=lambda bounds, memory=memory: [x.peak for x in memory(bounds)])
         except ValueError:
             continue
+        return cut, regions, memory(cut.bounds)
     return None
 
 

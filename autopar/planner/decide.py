@@ -48,7 +48,7 @@ def decide(model, mesh, example_inputs, **knobs) -> tuple[Captured, dict, Plan]:
 
     ``knobs`` are ``autopar.plan``'s (``Request``): plan, sequence_parallel, recompute, memory_budget,
     schedule, microbatches, zero, device, gpus_per_node, stages, virtual_stages, world_size,
-    precision, offload, keep_gathered, cp_attention.
+    precision, offload, offload_delay, keep_gathered, cp_attention.
 
     ``keep_gathered`` (zero=3): "auto", the planner keeps gathered from forward to backward the
     units it can afford within the memory budget (``autopar.planner.reshard``); or the unit names

@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from autopar.collectives import CP_ATTENTIONS
 from autopar.cost_model.comm import axis_is_inter_node
 from autopar.cost_model.context import cp_attention_seconds, cp_seconds
-from autopar.cost_model.memory import all_ops, cut_memory, stage_nodes, unit_memory, with_weights
+from autopar.cost_model.memory import all_ops, cut_memory, stage_nodes, unit_memory, unit_params, with_weights
+from autopar.cost_model.offload import backward_units, offload_timing, plan_update_terms
 from autopar.cost_model.repeats import block_shift
-from autopar.cost_model.stages import inflight_microbatches, pipeline_split, rank_param_bytes, unit_costs
+from autopar.cost_model.stages import (inflight_microbatches, pipeline_split, pipeline_time, rank_param_bytes,
+                                       unit_costs)
 from autopar.cost_model.state import kept_gathered_bytes, regathered_bytes, state_bytes_per_param_byte
-from autopar.cost_model.step import (dp_sync_time, flat_compute_time, param_byte_time, plan_update_terms, price_step,
-                                     rank_unit_figures, rank_units, tp_comm_time, unit_sync_times, zero_unit_figures)
+from autopar.cost_model.step import (dp_sync_time, flat_compute_time, param_byte_time, price_step, rank_unit_figures,
+                                     rank_units, recompute_seconds, tp_comm_time, unit_sync_times, zero_unit_figures)
 from autopar.errors import PlanError, PlanFormatError
 from autopar.graph.capture import Captured
 from autopar.graph.precision import retyped, working_copy_ratio
@@ -59,11 +61,31 @@ class _Base:
     notes: tuple[str, ...]
 
 
-def price(job: Job, mesh: Mesh, microbatches: int, zero: int, offload: str) -> Candidate:
-    """The candidate on ``mesh`` with ``microbatches`` per step at ZeRO stage ``zero`` and ``offload``
-    (a given plan's own choices instead, re-derived from them), priced as the module docstring
-    says. Raises ValueError where no plan exists (no stage cut within the memory budget)."""
-    base = _base(job, mesh, microbatches, zero, offload)
+def price(job: Job, mesh: Mesh, microbatches: int, zero: int, offload: str, offload_kept=()) -> Candidate:
+    """The candidate on ``mesh`` with ``microbatches`` per step at ZeRO stage ``zero`` and ``offload``,
+    the units ``offload_kept`` keeping their optimizer on the device (a given plan's own choices
+    instead, re-derived from them), priced as the module docstring says. Raises ValueError where
+    no plan exists (no stage cut within the memory budget)."""
+    return _price_base(_base(job, mesh, microbatches, zero, offload, offload_kept))
+
+
+def offload_pricer(job: Job, mesh: Mesh, microbatches: int, zero: int):
+    """``at(kept)``: the candidate ``price`` makes with offload="optimizer" and the units ``kept``
+    keeping their optimizer on the device, for any split, from one capture and one solve of the
+    strategies (the splits' searches price many); its capture and strategies as ``at.cap`` and
+    ``at.strategies``."""
+    base = _base(job, mesh, microbatches, zero, "optimizer")
+
+    def at(kept) -> Candidate:
+        return _price_base(dataclasses.replace(base, choices=dataclasses.replace(base.choices,
+                                                                                 offload_kept=tuple(kept))))
+    at.cap, at.strategies = base.cap, base.assignment.strategies
+    return at
+
+
+def _price_base(base: "_Base") -> Candidate:
+    """``price`` from its ``_base``."""
+    job, mesh = base.job, base.choices.mesh
     req, c = job.request, base.choices
     strategies, cand = base.assignment.strategies, None
     if req.given is None and c.sequence_parallel and req.memory_budget is not None:
@@ -84,7 +106,7 @@ def price(job: Job, mesh: Mesh, microbatches: int, zero: int, offload: str) -> C
     return cand
 
 
-def _base(job: Job, mesh: Mesh, microbatches: int, zero: int, offload: str) -> _Base:
+def _base(job: Job, mesh: Mesh, microbatches: int, zero: int, offload: str, offload_kept=()) -> _Base:
     """Capture, check and solve the candidate's strategies; its choices but recompute's regions."""
     req, given = job.request, job.request.given
     cap = job.capture(local_inputs(job.example_inputs, mesh, microbatches))
@@ -112,8 +134,11 @@ def _base(job: Job, mesh: Mesh, microbatches: int, zero: int, offload: str) -> _
         _check_units(cap, kept, "plan.keep_gathered " if given is not None else "keep_gathered=")
     choices = Choices(mesh, microbatches, zero, offload, schedule, virtual, precision, attention,
                       sequence_sharded(cap, assignment.strategies), given.source if given is not None else req.plan,
-                      recompute, offload_kept=tuple(given.offload_kept) if given is not None else (),
-                      offload_delay=given.offload_delay if given is not None else 0)
+                      recompute, offload_kept=tuple(given.offload_kept) if given is not None else tuple(offload_kept),
+                      offload_delay=(given.offload_delay if given is not None
+                                     else req.offload_delay if offload != "none" else 0))
+    if offload != "none" and choices.offload_kept:
+        _check_units(cap, choices.offload_kept, "plan.offload_kept " if given is not None else "offload_kept ")
     return _Base(job, cap, assignment, choices, _regions_from_plan(cap, given) if given is not None else None,
                  ([s.modules for s in given.stages] or None) if given is not None else req.stages,
                  kept if zero == 3 else (),   # zero="auto"'s other stages; zero=3 without dp (its note says so)
@@ -149,17 +174,21 @@ def _priced(base: _Base, strategies: dict, recompute: str, kept=(), bounds=None,
             recut: bool = True) -> Candidate:
     """``base`` laid out with ``strategies``: its records, stage cut (``bounds``, else the cost
     model's or the given one; ``recut`` as ``choose_cut``'s), recompute regions (``regions``, else
-    the given plan's or those ``recompute`` chooses), memory and step terms, with ZeRO-3's ``kept``
-    units kept gathered."""
+    the given plan's or those ``recompute`` chooses), memory and step terms (the regions' forwards
+    run again in the compute, ``step.recompute_seconds``; the optimizer's update where it runs,
+    ``cost_model.offload``), with ZeRO-3's ``kept`` units kept gathered."""
     cap, req, c = base.cap, base.job.request, base.choices
     mesh, dev = c.mesh, req.device
+    offload, split = c.offload != "none", c.offload_kept if c.offload != "none" else ()
+    tp_inter = axis_is_inter_node(mesh.tp, 1, req.gpus_per_node)
     sharding = sharding_record(cap, dataclasses.replace(base.assignment, strategies=strategies), mesh, dev,
                                zero=c.zero, microbatches=c.microbatches, gpus_per_node=req.gpus_per_node, kept=kept,
                                cp_attention=c.cp_attention)
     regions = base.regions if regions is None else regions
     rank_nodes, rank_share = None, 1.0   # the attentions and the share of the parameters whose cp traffic is priced
     if mesh.pp > 1:
-        cut, work, dp, dp_units, rank = _pipelined(base, strategies, recompute, regions, kept, bounds, recut)
+        cut, unit_tp, boundary, dp, dp_units, rank = _pipelined(base, strategies, recompute, regions, kept, bounds,
+                                                                recut)
         bounds = cut.bounds
         units = layer_units(cap)
         rank_nodes = frozenset(n for k in rank for n in units[k].nodes)
@@ -168,23 +197,49 @@ def _priced(base: _Base, strategies: dict, recompute: str, kept=(), bounds=None,
         (work, dp, dp_units), bounds = _flat(base, strategies, sharding, kept), ()
     if regions is None:
         regions = _chosen_regions(base, strategies, recompute, bounds, kept)
+    if mesh.pp > 1:
+        recomputed = [n for r in regions for n in r]
+        again = [recompute_seconds(strategies, [n for n in recomputed if n in mine], mesh.tp, dev, tp_inter,
+                                   with_comm=True) for mine in map(frozenset, stage_nodes(cap, bounds))]
+        work, stage_times = pipeline_work(cut, unit_tp, boundary, mesh.pp, c.microbatches, c.virtual_stages,
+                                          again=again)
+    else:
+        work["compute"] += c.microbatches * recompute_seconds(strategies, [n for r in regions for n in r], mesh.tp,
+                                                              dev, tp_inter)
     memory = cut_memory(cap, strategies, mesh, bounds=bounds, microbatches=c.microbatches, virtual=c.virtual_stages,
-                        schedule=c.schedule, zero=c.zero, regions=regions, offload=c.offload != "none", kept=kept,
-                        attention=c.cp_attention)
-    update, host = plan_update_terms(memory, mesh, c.zero, c.precision, dev, offload=c.offload != "none")
+                        schedule=c.schedule, zero=c.zero, regions=regions, offload=offload, kept=kept,
+                        attention=c.cp_attention, offload_kept=split)
     cp = cp_seconds(cap, strategies, mesh.cp, mesh.tp, dev, req.gpus_per_node, c.microbatches, c.cp_attention,
                     sharding.collectives, frozenset(n.name for r in regions for n in r), nodes=rank_nodes,
                     sync_share=rank_share)
+    update, host = _update(base, strategies, memory, regions, price_step(work, dp=dp, cp=cp, update=0.0, offload=0.0,
+                                                                           cp_ranks=mesh.cp).total)
     stages = ()
     if mesh.pp > 1:
         units = layer_units(cap)
         stages = tuple(StagePlan(s, s % mesh.pp, tuple(m for u in units[a:b] for m in u.modules),
-                                 float(cut.stage_times[s]), float(memory[s].peak)) for s, (a, b) in enumerate(bounds))
+                                 float(stage_times[s]), float(memory[s].peak)) for s, (a, b) in enumerate(bounds))
     names = tuple(tuple(n.name for n in r) for r in regions)
     return Candidate(dataclasses.replace(c, recompute=recompute, recompute_regions=names, keep_gathered=tuple(kept)),
                      cap, strategies, req, sharding, memory,
                      price_step(work, dp=dp, cp=cp, update=update, offload=host, cp_ranks=mesh.cp), stages,
                      tuple(bounds), tuple(map(tuple, regions)), dp_units, base.notes)
+
+
+def _update(base: _Base, strategies: dict, memory, regions, window: float) -> tuple[float, float]:
+    """The update's (device, exposed host) seconds (``cost_model.offload.plan_update_terms``) at the
+    time the candidate's host updates (``offload_timing``): beside its backward, unit by unit, whose
+    seconds its ``regions`` lengthen (``backward_units``); after it; or beside the next step's other
+    terms (``window`` seconds)."""
+    req, c = base.job.request, base.choices
+    mesh, dev, offload = c.mesh, req.device, c.offload != "none"
+    timing = offload_timing(mesh, c.zero, c.offload_delay)
+    units, backward = (), 0.0
+    if offload and timing == "backward":
+        units, backward = backward_units(base.cap, strategies, mesh, dev, zero=c.zero, offload_kept=c.offload_kept,
+                                         regions=regions, tp_inter=axis_is_inter_node(mesh.tp, 1, req.gpus_per_node))
+    return plan_update_terms(memory, mesh, c.zero, c.precision, dev, offload=offload, timing=timing, units=units,
+                             backward=backward, window=window)
 
 
 def _flat(base: _Base, strategies: dict, sharding, kept) -> tuple[dict, float, tuple]:
@@ -207,26 +262,27 @@ def _flat(base: _Base, strategies: dict, sharding, kept) -> tuple[dict, float, t
 
 
 def _pipelined(base: _Base, strategies: dict, recompute: str, regions, kept, bounds, recut: bool = True):
-    """With pipeline stages: the cut (``bounds``, else the cost model's or ``stages=``), the busiest
-    pipeline rank's compute, tp, pp and bubble (``pipeline_split``), the dp sync, what it was
+    """With pipeline stages: the cut (``bounds``, else the cost model's or ``stages=``), the units'
+    tp and cut seconds (``pipeline_work``'s), the dp sync, what it was
     priced from, and the units of the pipeline rank it was priced for (``rank_units``: its
     attentions and parameters are the ones whose cp traffic the step counts). The cut prices each unit's activations with ``regions`` recomputed, or those
     ``recompute`` names; under recompute="auto", with none when a cut fits so, else with every
     block recomputed (the least any choice keeps); ``_chosen_regions`` then chooses per block."""
     cap, req, c = base.cap, base.job.request, base.choices
     mesh, dev, wc = c.mesh, req.device, working_copy_ratio(cap)
+    split = c.offload_kept if c.offload != "none" else ()
     units = layer_units(cap)
     time, boundary, tp = unit_costs(cap, strategies, units, mesh, dev, gpus_per_node=req.gpus_per_node)
 
     def cut_with(recomputed):
         static, act = unit_memory(cap, strategies, units, mesh, zero=c.zero, working_copy=wc, regions=recomputed,
-                                  offload=c.offload != "none", attention=c.cp_attention)
+                                  offload=c.offload != "none", attention=c.cp_attention, offload_kept=split)
 
         def peaks(cut_bounds) -> list[float]:   # the one memory sum of a cut the DP took
             return [m.peak for m in cut_memory(cap, strategies, mesh, bounds=cut_bounds, microbatches=c.microbatches,
                                                virtual=c.virtual_stages, schedule=c.schedule, zero=c.zero,
                                                regions=recomputed, offload=c.offload != "none", kept=kept,
-                                               attention=c.cp_attention)]
+                                               attention=c.cp_attention, offload_kept=split)]
         return static, choose_cut((time, static, act, boundary), units, mesh, schedule=c.schedule,
                                   microbatches=c.microbatches, virtual=c.virtual_stages, memory_budget=req.limit,
                                   stages=base.stages, bounds=bounds, peaks=peaks, recut=recut)
@@ -238,8 +294,9 @@ def _pipelined(base: _Base, strategies: dict, recompute: str, regions, kept, bou
             static, cut = cut_with(regions_for(cap, "full"))
     else:
         static, cut = cut_with(regions if regions is not None else regions_for(cap, recompute))
-    return cut, pipeline_work(cut, tp, boundary, mesh.pp, c.microbatches, c.virtual_stages), \
-        *_rank_dp(base, strategies, time, static, cut.bounds, units, kept), rank_units(static, cut.bounds, mesh)
+    params = unit_params(cap, strategies, units, mesh.tp)
+    return cut, tp, boundary, *_rank_dp(base, strategies, time, params, cut.bounds, units, kept), \
+        rank_units(params, cut.bounds, mesh)
 
 
 def unit_work(cand: Candidate) -> tuple[float, tuple[float, ...]]:
@@ -255,27 +312,33 @@ def unit_work(cand: Candidate) -> tuple[float, tuple[float, ...]]:
     return float(time.sum()) / mesh.cp, tuple(sorted(float(c) / mesh.cp for c in boundary))
 
 
-def pipeline_work(cut, tp, boundary, pp: int, microbatches: int, virtual: int) -> dict:
+def pipeline_work(cut, tp, boundary, pp: int, microbatches: int, virtual: int, again=None) -> tuple[dict, list]:
     """The busiest pipeline rank's compute, tp and pp work and the bubble of the stage ``cut``
-    (``pipeline_split``): each stage's time is its units' (compute with their tp collectives, ``tp``
-    per unit) and its incoming activations' point-to-point seconds (``boundary`` per cut)."""
-    parts = []
+    (``pipeline_split``), and each stage's seconds per microbatch: its units' (compute with their tp
+    collectives, ``tp`` per unit), its incoming activations' point-to-point seconds (``boundary``
+    per cut) and ``again[s]``, the forwards its recomputed regions run again in its backward
+    (``step.recompute_seconds``; the makespan is then ``pipeline_time``'s of those stage times)."""
+    again = [0.0] * len(cut.bounds) if again is None else again
+    parts, times = [], []
     for s, (a, b) in enumerate(cut.bounds):
         tp_s, pp_s = float(tp[a:b].sum()), float(boundary[a - 1]) if s else 0.0
-        parts.append(dict(compute=cut.stage_times[s] - tp_s - pp_s, tp=tp_s, pp=pp_s))
-    return pipeline_split(parts, pp, microbatches, virtual, float(cut.step_time))
+        parts.append(dict(compute=cut.stage_times[s] - tp_s - pp_s + again[s], tp=tp_s, pp=pp_s))
+        times.append(float(cut.stage_times[s]) + again[s])
+    makespan = pipeline_time(times, pp, microbatches, virtual) if any(again) else float(cut.step_time)
+    return pipeline_split(parts, pp, microbatches, virtual, makespan), times
 
 
-def _rank_dp(base: _Base, strategies: dict, time, static, bounds, units, kept) -> tuple[float, tuple]:
-    """The dp sync of the pipeline rank holding the most parameters under the cut ``bounds``, and what
-    it was priced from (``Candidate.dp_units``; ZeRO-2/3's per-unit figures of that rank)."""
+def _rank_dp(base: _Base, strategies: dict, time, unit_bytes, bounds, units, kept) -> tuple[float, tuple]:
+    """The dp sync of the pipeline rank holding the most parameters under the cut ``bounds``
+    (``unit_bytes``: each unit's, ``memory.unit_params``), and what it was priced from
+    (``Candidate.dp_units``; ZeRO-2/3's per-unit figures of that rank)."""
     req, c = base.job.request, base.choices
-    mesh, wc, offload = c.mesh, working_copy_ratio(base.cap), c.offload != "none"
-    params = rank_param_bytes(static, bounds, mesh, c.zero, wc, offload)
+    mesh, wc = c.mesh, working_copy_ratio(base.cap)
+    params = rank_param_bytes(unit_bytes, bounds, mesh)
     figures, names, again = None, (), None
     if c.zero >= 2 and mesh.dp > 1:
-        figures = rank_unit_figures(time, static, bounds, mesh, state_bytes_per_param_byte(mesh, c.zero, wc, offload))
-        ranked = [units[k] for k in rank_units(static, bounds, mesh)]
+        figures = rank_unit_figures(time, unit_bytes, bounds, mesh)
+        ranked = [units[k] for k in rank_units(unit_bytes, bounds, mesh)]
         names = tuple(u.name for u in ranked)
         again = regathered_bytes(base.cap, strategies, ranked, mesh.tp)
     dp = dp_sync_time(params, mesh, req.device, c.zero, req.gpus_per_node, microbatches=c.microbatches,
@@ -293,7 +356,8 @@ def _chosen_regions(base: _Base, strategies: dict, recompute: str, bounds, kept)
     inflight = inflight_microbatches(c.mesh.pp, c.microbatches, c.virtual_stages, c.schedule) if bounds else (1,)
     return choose_recompute(base.cap, strategies, c.mesh, req.device, zero=c.zero, budget=req.limit,
                             microbatches=c.microbatches, stage_nodes=nodes, inflight=inflight,
-                            offload=c.offload != "none", kept=kept, attention=c.cp_attention)[0]
+                            offload=c.offload != "none", kept=kept, attention=c.cp_attention,
+                            offload_kept=c.offload_kept if c.offload != "none" else ())[0]
 
 
 def _keep_gathered(base: _Base, cand: Candidate) -> Candidate:

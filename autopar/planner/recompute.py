@@ -14,7 +14,7 @@ from autopar.cost_model.activations import attention_core, kept_bytes
 from autopar.cost_model.context import context_memory
 from autopar.cost_model.memory import all_ops, memory
 from autopar.cost_model.repeats import shifted
-from autopar.cost_model.strategy import strategy_time
+from autopar.cost_model.step import recompute_seconds
 from autopar.planner.ilp import InfeasibleError, solve_strategies
 from autopar.errors import PlanError
 from autopar.graph.capture import graph_cached
@@ -89,10 +89,11 @@ def _block_ops(cap) -> tuple[list[tuple], list[tuple]]:
 
 
 def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, microbatches: int = 1,
-                     stage_nodes=None, inflight=None, offload: bool = False, kept=(), attention: str = "allgather"):
+                     stage_nodes=None, inflight=None, offload: bool = False, kept=(), attention: str = "allgather",
+                     offload_kept=()):
     """Per block the cheapest recompute mode (by recomputed forward time) fitting ``budget`` bytes on
     every rank (``stage_nodes`` and ``inflight`` as ``cost_model.memory.memory`` takes them, and
-    ``offload``, ``kept`` and cp's ``attention`` too; one stage by default). A block's choice moves
+    ``offload``, ``offload_kept``, ``kept`` and cp's ``attention`` too; one stage by default). A block's choice moves
     only its own rank's memory, so each pipeline rank is its own ILP, over the blocks of its
     stages, each kept for the microbatches its stage holds in flight. A rank that no choice fits
     gets its blocks fully recomputed, the least memory any choice reaches: its peak stays above
@@ -104,7 +105,7 @@ def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, mi
     stage_nodes = stage_nodes or (all_ops(cap),)
     inflight = inflight or (1,) * len(stage_nodes)
     kw = dict(zero=zero, microbatches=microbatches, stage_nodes=stage_nodes, inflight=inflight, offload=offload,
-              kept=kept, attention=attention)
+              kept=kept, attention=attention, offload_kept=offload_kept)
     # the per-block ILP below adds each block's own activations to the fully recomputed peak, which
     # carries full recompute's backward transient: when nothing recomputed already fits, say so exactly
     if all(m.peak <= budget for m in memory(cap, strategies, mesh, regions=[], **kw)):
@@ -148,11 +149,11 @@ def _block_rows(cap, strategies, mesh, dev, attention: str):
         if calls not in figures:
             options = _mode_regions(*regions)
             kv = context_memory(cap, strategies, mesh.cp, mesh.tp, attention, [calls])[0][0] if mesh.cp > 1 else 0.0
-            # recomputing runs the region's forward again: about a third of its forward + backward
+            # recomputing runs the region's forward again, as the step's compute prices it
             figures[calls] = ([kept_bytes(cap, calls, strategies, mesh.tp, options[m]) / mesh.cp
                                + (kv if m == "none" else 0.0) for m in MODES],
-                              [sum(strategy_time(n, strategies[n], mesh.tp, dev, False) for r in options[m] for n in r)
-                               / 3 for m in MODES])
+                              [recompute_seconds(strategies, [n for r in options[m] for n in r], mesh.tp, dev, False)
+                               for m in MODES])
         return figures[calls]
     return row
 

@@ -35,7 +35,7 @@ def parse_bytes(value) -> float | None:
     return float(m.group(1)) * _UNITS[m.group(2).upper()]
 
 
-def check_knobs(mesh: Mesh | None, recompute, schedule, zero, sequence_parallel, offload="none"):
+def check_knobs(mesh: Mesh | None, recompute, schedule, zero, sequence_parallel, offload="none", offload_delay=0):
     """Refuse a knob value the planner does not know, with the values it does (``mesh``: unread, for
     callers that check a mesh's knobs)."""
     if schedule not in SCHEDULES:
@@ -47,10 +47,32 @@ def check_knobs(mesh: Mesh | None, recompute, schedule, zero, sequence_parallel,
                          "2 (and gradients), 3 (and weights, gathered per unit) or 'auto'")
     if sequence_parallel not in (True, False, "auto"):
         raise ValueError(f"sequence_parallel={sequence_parallel!r}: expected True, False or 'auto'")
-    if offload not in (*OFFLOADS, "auto"):
+    offload_knob(offload, offload_delay)
+
+
+def offload_knob(offload, delay=0) -> tuple[object, int]:
+    """``offload`` and ``offload_delay`` as the planner takes them: "none", "optimizer", "auto" or a
+    fraction strictly between 0 and 1 (0 is "none", 1 "optimizer"), and 0 or 1; a clear
+    ValueError for anything else, or for a delay with nothing offloaded."""
+    offload = "none" if offload is None else offload
+    if isinstance(offload, (int, float)) and not isinstance(offload, bool):
+        if not 0 <= offload <= 1:   # NaN included
+            raise ValueError(f"offload={offload!r}: a fraction is the share of the optimizer state, by bytes, that "
+                             "goes to the host, between 0 and 1 (0.25: a quarter, the units whose gradients are final "
+                             "earliest in the backward); or pass 'none', 'optimizer' or 'auto'")
+        offload = "none" if offload == 0 else "optimizer" if offload == 1 else float(offload)
+    elif offload not in (*OFFLOADS, "auto"):
         raise ValueError(f"offload={offload!r}: expected 'none' (everything on the device), 'optimizer' (the fp32 "
-                         "master weights and AdamW state in host memory, stepped by the CPU) or 'auto' (offload "
-                         "only when the plan fits the memory budget with it and not without)")
+                         "master weights and AdamW state in host memory, stepped by the CPU), a fraction in [0, 1] "
+                         "(that share of the state on the host, in whole units) or 'auto' (offload only when the "
+                         "plan does not fit the memory budget without it, the split of fastest step that fits)")
+    if isinstance(delay, bool) or delay not in (0, 1):
+        raise ValueError(f"offload_delay={delay!r}: expected 0 (the host's update lands before the next step) or 1 "
+                         "(it lands one step late, overlapping the next step's forward and backward)")
+    if delay and offload == "none":
+        raise ValueError("offload_delay=1 delays the host's update of an offloaded optimizer, but offload='none' "
+                         "offloads nothing; pass offload='optimizer', a fraction or 'auto', or offload_delay=0")
+    return offload, delay
 
 
 def _keep_knob(keep_gathered, zero):
@@ -92,8 +114,9 @@ def _plan_knob(plan):
 class Request:
     """The knobs of one planning, checked (``Request.of``): what ``autopar.plan`` documents, with
     ``memory_budget`` in bytes (None: the device's memory), ``device`` the cost model's DeviceSpec,
-    ``plan`` "auto", "megatron" or the given Plan, ``keep_gathered`` "auto" or unit names and
-    ``offload`` never None."""
+    ``plan`` "auto", "megatron" or the given Plan, ``keep_gathered`` "auto" or unit names,
+    ``offload`` "none", "optimizer", "auto" or a fraction strictly between 0 and 1 (``offload_knob``)
+    and ``offload_delay`` 0 or 1."""
 
     plan: object = "auto"
     sequence_parallel: object = "auto"
@@ -108,22 +131,24 @@ class Request:
     virtual_stages: int | None = None
     world_size: int | None = None
     precision: str = "fp32"
-    offload: str = "none"
+    offload: object = "none"
+    offload_delay: int = 0
     keep_gathered: object = "auto"
     cp_attention: str = "auto"
 
     @classmethod
-    def of(cls, mesh, *, device="h100", memory_budget=None, offload="none", plan="auto", **knobs) -> "Request":
+    def of(cls, mesh, *, device="h100", memory_budget=None, offload="none", offload_delay=0, plan="auto",
+           **knobs) -> "Request":
         """The request of ``autopar.plan``'s keyword arguments for ``mesh`` (or "auto"), every knob
         checked here, before anything is captured or priced."""
-        offload = "none" if offload is None else offload   # the design's spelling of "none"
         check_knobs(None, knobs.get("recompute", "none"), knobs.get("schedule", "1F1B"), knobs.get("zero", 0),
-                    knobs.get("sequence_parallel", "auto"), offload)
+                    knobs.get("sequence_parallel", "auto"), offload, offload_delay)
+        offload, offload_delay = offload_knob(offload, offload_delay)
         compute_dtype(knobs.get("precision", "fp32"))   # an unknown precision fails before any planning
         _check_cp_attention(knobs.get("cp_attention", "auto"), mesh)
         keep = _keep_knob(knobs.pop("keep_gathered", "auto"), knobs.get("zero", 0))
         return cls(plan=_plan_knob(plan), memory_budget=parse_bytes(memory_budget), device=get_device(device),
-                   offload=offload, keep_gathered=keep, **knobs)
+                   offload=offload, offload_delay=offload_delay, keep_gathered=keep, **knobs)
 
     @property
     def given(self) -> Plan | None:

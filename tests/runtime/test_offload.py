@@ -182,13 +182,16 @@ def test_offload_update_is_priced_from_the_host_figures(gpt, plans):
         host = [(k + 4 * other / 28) / dev.host_adam_rate for k, other in zip(p, p[::-1])]
         return copy[0] + max(host[0], copy[1]) + max(host[1], copy[0]) + copy[1]
 
+    # with dp = 2 the gradients are final only after their sum: the host runs after the backward
+    # (on one rank it runs beside the backward, unit by unit: tests/cost_model/test_offload_split.py)
     dev = get_device("h100")
-    assert plans[("fp32", "optimizer")].predicted_update_s == pytest.approx(by_hand(dev))
+    after = autopar.plan(model, (2, 1, 1), x, device=dev, offload="optimizer")
+    assert after.predicted_update_s == pytest.approx(by_hand(dev))
     for changed in (dataclasses.replace(dev, host_adam_rate=dev.host_adam_rate / 2),
                     dataclasses.replace(dev, host_bandwidth=dev.host_bandwidth / 4)):
-        again = autopar.plan(model, (1, 1, 1), x, device=changed, offload="optimizer")
+        again = autopar.plan(model, (2, 1, 1), x, device=changed, offload="optimizer")
         assert again.predicted_update_s == pytest.approx(by_hand(changed))
-        assert again.predicted_update_s > plans[("fp32", "optimizer")].predicted_update_s
+        assert again.predicted_update_s > after.predicted_update_s
     # a profile that does not know its host cannot price offload, and says how to fix that
     unknown = dataclasses.replace(dev, host_bandwidth=0.0)
     with pytest.raises(ValueError, match="calibrate"):
@@ -230,7 +233,8 @@ def test_auto_offloads_only_when_it_is_needed_to_fit(gpt, plans):
 
     squeezed = auto((peak_on + peak_off) / 2)
     assert squeezed.offload == "optimizer" and any("only with offload it fits" in n for n in squeezed.notes)
-    assert squeezed.predicted_step_time == pytest.approx(off.predicted_step_time)
+    # a partial split (tests/planner/test_offload_auto.py): some units keep their optimizer on the device
+    assert squeezed.offload_kept and squeezed.predicted_step_time <= off.predicted_step_time
     roomy = auto(2 * peak_on)
     assert roomy.offload == "none" and any("it fits without offload" in n for n in roomy.notes)
     # (still room for the weights the ILP counts: both plans are made); neither fits: the error names

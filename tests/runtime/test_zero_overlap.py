@@ -79,9 +79,8 @@ def test_zero3_prefetch_hides_part_of_the_dp_traffic(planned):
 
 
 def test_pipeline_rank_units_are_the_busiest_ranks():
-    from autopar.cost_model.memory import unit_memory
+    from autopar.cost_model.memory import unit_params
     from autopar.cost_model.stages import rank_param_bytes, unit_costs
-    from autopar.cost_model.state import state_bytes_per_param_byte
     from autopar.cost_model.step import rank_unit_figures
     from autopar.graph.units import layer_units, override_bounds
 
@@ -90,10 +89,10 @@ def test_pipeline_rank_units_are_the_busiest_ranks():
                                    device="h100", zero=3, keep_gathered=())
     dev, mesh, units = get_device("h100"), Mesh(*plan.mesh), layer_units(cap)
     time = unit_costs(cap, strategies, units, mesh, dev, gpus_per_node=8)[0]
-    static = unit_memory(cap, strategies, units, mesh, zero=3, working_copy=0.0)[0]
+    params = unit_params(cap, strategies, units, mesh.tp)
     bounds = override_bounds([s.modules for s in plan.stages], units, len(plan.stages))
-    figures = rank_unit_figures(time, static, bounds, mesh, state_bytes_per_param_byte(mesh, 3))
-    assert sum(b for b, _ in figures) == pytest.approx(rank_param_bytes(static, bounds, mesh, 3, 0.0))
+    figures = rank_unit_figures(time, params, bounds, mesh)
+    assert sum(b for b, _ in figures) == pytest.approx(rank_param_bytes(params, bounds, mesh))
     assert 0 < len(figures) < len(units)   # one of the two pipeline ranks' units
     total = dp_sync_time(sum(b for b, _ in figures), mesh, dev, 3, 8, microbatches=plan.microbatches)
     assert 0 < dp_sync_time(0.0, mesh, dev, 3, 8, microbatches=plan.microbatches, units=figures) < total
