@@ -56,9 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=lambda s: s if s == "auto" else int(s), default=0, choices=[0, 1, 2, 3, "auto"],
                    help="shard over dp: 1 the optimizer state, 2 the gradients too, 3 the weights too, "
                         "gathered per layer unit; auto: the fastest that fits (default 0)")
-    p.add_argument("--offload", default="none", choices=["none", "optimizer", "auto"],
+    p.add_argument("--offload", default="none", type=_offload, metavar="none|optimizer|FRACTION|auto",
                    help="optimizer: the fp32 master weights and AdamW state in host memory, stepped by the CPU; "
-                        "auto: only when the plan does not fit the device without it (default none)")
+                        "a fraction in [0, 1]: that share of the state on the host, in whole units (the last "
+                        "ones first), the rest on the device; auto: only when the plan does not fit the device "
+                        "without it, the split of fastest step that fits the device and the host (default none)")
+    p.add_argument("--offload-delay", type=int, default=0, choices=[0, 1],
+                   help="1: the host's update lands one step late, overlapping the next step (default 0)")
     p.add_argument("--plan", default="auto", choices=["auto", "megatron"],
                    help="auto: the planner decides; megatron: the hand-written plan (default auto)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
@@ -177,6 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _offload(text: str):
+    """``--offload``: a name, or a fraction (its range is the planner's to check)."""
+    if text in ("none", "optimizer", "auto"):
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected none, optimizer, auto or a fraction in [0, 1], got {text!r}") \
+            from None
+
+
 def _model(spec: str):
     """A named config built on the meta device, or ``path.py:factory`` called on the meta device
     (what it builds on a real device anyway is moved there: planning needs no weights)."""
@@ -267,7 +282,7 @@ def _plan(args) -> int:
                             sequence_parallel=_SP[args.sequence_parallel], zero=args.zero,
                             world_size=args.gpus, gpus_per_node=args.gpus_per_node, schedule=args.schedule,
                             microbatches=args.microbatches, precision=args.precision, recompute=args.recompute,
-                            offload=args.offload, memory_budget=args.memory_budget,
+                            offload=args.offload, offload_delay=args.offload_delay, memory_budget=args.memory_budget,
                             keep_gathered=_keep_gathered(args.keep_gathered), cp_attention=args.cp_attention)
     plan = dataclasses.replace(plan, model=args.config)   # lets `diff` re-derive it
     print(plan.summary())

@@ -4,13 +4,16 @@ The page needs nothing at view time: CSS and the few lines of JS are inline, no 
 network. It shows, top to bottom:
 
 - a header: mesh (dp, pp, tp; dp as replicate x shard under HSDP; cp when the plan splits sequences), device, schedule and microbatches, sequence parallel, ZeRO,
-  recompute mode, predicted step time, and the plan's warnings (an idle axis, a peak above the device);
+  recompute mode, optimizer offload (its bytes on the host and the device), predicted step time,
+  and the plan's warnings (an idle axis, a peak above the device);
 - the model as its layers in order, grouped into one ``<section data-stage="k">`` per pipeline
   stage and coloured by stage. A layer is the module that owns a run of graph nodes (a stage
   module such as ``transformer.h.3``; without stages, the module path up to its first layer
   index). Consecutive ``prefix.N`` layers of one stage with identical ops and collectives are
   shown once, "x L". Each layer opens to its ops (node, op, module, input and output
-  placements, local implementation, recompute) and carries its collectives with their bytes;
+  placements, local implementation, recompute) and carries its collectives with their bytes and,
+  under optimizer offload, where its unit's optimizer lives (``data-offload`` "host" or "device":
+  the layers before the first block are the "embedding" unit's, those after the last the "head"'s);
 - a stacked memory bar per stage (params, grads, optimizer, activations, backward transient);
 - the parameter table, one ``<tr data-param="fqn">`` per parameter.
 """
@@ -47,6 +50,7 @@ details.layer>div{padding:4px 8px 8px}
 .warn{color:#a40000;font-weight:600}
 .coll{background:#fff4d6;border:1px solid #e0b84a;border-radius:4px;padding:0 5px;font-size:12px}
 .coll.dp{background:#e3f0ff;border-color:#7aa7d9}.rc{background:#eee;border-radius:4px;padding:0 5px;font-size:12px}
+.off{border-radius:4px;padding:0 5px;font-size:12px}.off.host{background:#fde2e2}.off.device{background:#e2f5e2}
 table{border-collapse:collapse;background:#fff;font-size:13px}
 th,td{border:1px solid #e2e2e2;padding:2px 8px;text-align:left;vertical-align:top}th{background:#f0f0f0}
 .pl{padding:0 4px;border-radius:3px;white-space:nowrap}.pl.R{background:#eee}.pl.P{background:#ffd9b3}
@@ -151,11 +155,11 @@ def _layers(plan) -> tuple[list[_Layer], list]:
     return _collapse(layers, plan), unattached
 
 
-def _signature(layer: _Layer, recomputed: set, kept: tuple) -> tuple:
+def _signature(layer: _Layer, recomputed: set, kept: tuple, offload_kept: tuple = ()) -> tuple:
     ops = tuple((n.op, _rel(n.module, layer.key), n.inputs, n.output, n.local, n.name in recomputed)
                 for n in layer.nodes)
     colls = tuple(sorted((c.kind, c.axis, c.phase, _rel(c.where, layer.key), c.count, c.bytes) for c in layer.colls))
-    return layer.stage, ops, colls, layer.key in kept
+    return layer.stage, ops, colls, layer.key in kept, layer.key in offload_kept
 
 
 def _collapse(layers: list[_Layer], plan) -> list[_Layer]:
@@ -167,8 +171,8 @@ def _collapse(layers: list[_Layer], plan) -> list[_Layer]:
         a = re.fullmatch(r"(.*)\.(\d+)", prev.last or prev.key) if prev else None
         b = re.fullmatch(r"(.*)\.(\d+)", layer.key)
         if (a and b and a[1] == b[1] and int(b[2]) == int(a[2]) + 1
-                and _signature(prev, recomputed, plan.keep_gathered)
-                == _signature(layer, recomputed, plan.keep_gathered)):
+                and _signature(prev, recomputed, plan.keep_gathered, plan.offload_kept)
+                == _signature(layer, recomputed, plan.keep_gathered, plan.offload_kept)):
             prev.count += 1
             prev.last = layer.key
         else:
@@ -184,6 +188,27 @@ def _zero_fact(plan) -> str:
         return "stage 3, every unit resharded after its forward (re-gathered in its backward)"
     return (f"stage 3, kept gathered from forward to backward (no backward re-gather): "
             f"{', '.join(plan.keep_gathered)}; the other units reshard after their forward")
+
+
+def _offload_fact(plan) -> str:
+    """Where the optimizer lives: the device, or the host for all units or all but the kept ones."""
+    if plan.offload == "none":
+        return "none: the optimizer on the device"
+    host = human_bytes(sum(m.host for m in plan.memory))
+    late = "; applied one step late" if plan.offload_delay else ""
+    if not plan.offload_kept:
+        return f"every unit's fp32 master and optimizer state on the host ({host}){late}"
+    return (f"on the host ({host}) but for {len(plan.offload_kept)} units kept on the device "
+            f"({human_bytes(sum(m.optimizer for m in plan.memory))} of optimizer state there){late}")
+
+
+def _layer_units(layers: list[_Layer]) -> list[str]:
+    """The unit (``autopar.graph.units.zero_units``' name) of each layer: a block's path, "embedding"
+    before the first block, "head" after the last, "model" for a model without blocks."""
+    blocks = [i for i, layer in enumerate(layers) if re.fullmatch(r".*\.\d+", layer.key)]
+    if not blocks:
+        return ["model"] * len(layers)
+    return [layer.key if i in blocks else "embedding" if i < blocks[0] else "head" for i, layer in enumerate(layers)]
 
 
 def _mesh_fact(plan) -> tuple[str, str]:
@@ -220,6 +245,7 @@ def _header(plan) -> str:
              ("schedule", sched if pp > 1 else f"no pipeline, {plan.microbatches} microbatch(es)"),
              ("sequence parallel", "on" if plan.sequence_parallel else "off"), ("ZeRO", _zero_fact(plan)),
              ("recompute", f"{plan.recompute} ({len(plan.recompute_regions)} regions)"),
+             ("optimizer offload", _offload_fact(plan)),
              ("predicted step time", human_time(plan.predicted_step_time)),
              ("compute / comm", f"{human_time(plan.predicted_compute_s)} / {human_time(plan.predicted_comm_s)}"),
              ("parameters", f"{n_params / 1e6:.1f} M"), ("microbatch inputs", " ".join(map(str, map(list, plan.input_shapes)))),
@@ -232,7 +258,7 @@ def _header(plan) -> str:
             + (f"<ul class='muted'>{notes}</ul>" if notes else "") + "</header>")
 
 
-def _layer_html(layer: _Layer, colour: str, recomputed: set, kept: tuple = ()) -> str:
+def _layer_html(layer: _Layer, colour: str, recomputed: set, kept: tuple = (), offload: str = "") -> str:
     name = layer.key or _TOP
     if layer.count > 1:
         prefix = layer.key.rsplit(".", 1)[0]
@@ -249,6 +275,9 @@ def _layer_html(layer: _Layer, colour: str, recomputed: set, kept: tuple = ()) -
                       f'{_e(c.kind)} {_e(c.axis)} {_e(c.phase)} x{c.count} {human_bytes(c.bytes)}</span>')
     if layer.key in kept:   # ZeRO-3 without its backward re-gather
         badges.append('<span class="rc">kept gathered from forward to backward</span>')
+    if offload:   # the unit's fp32 master and optimizer state: on the host, or kept on the device
+        badges.append(f'<span class="off {offload}">optimizer '
+                      f'{"on the host" if offload == "host" else "kept on the device"}</span>')
     n_rc = sum(n.name in recomputed for n in layer.nodes)
     if n_rc:
         badges.append(f'<span class="rc">recompute {n_rc} op{"s" if n_rc != 1 else ""}</span>')
@@ -263,13 +292,16 @@ def _layer_html(layer: _Layer, colour: str, recomputed: set, kept: tuple = ()) -
             f"Collective counts and bytes are per layer.</p>" if layer.count > 1 else "")
     table = ("<table><tr><th>node</th><th>op</th><th>module</th><th>inputs</th><th>output</th>"
              f"<th>local impl</th><th>recompute</th></tr>{''.join(rows)}</table>")
-    return (f'<details class="layer" style="--c:{colour}"><summary><span class="name">{_e(name)}</span>'
+    where = f' data-offload="{offload}"' if offload else ""
+    return (f'<details class="layer" style="--c:{colour}"{where}><summary><span class="name">{_e(name)}</span>'
             f"{''.join(badges)}</summary><div>{note}{table}</div></details>")
 
 
 def _model(plan) -> str:
     layers, unattached = _layers(plan)
     recomputed = {name for region in plan.recompute_regions for name in region}
+    offloaded = ["" if plan.offload == "none" else "device" if unit in plan.offload_kept else "host"
+                 for unit in _layer_units(layers)]
     stages = {s.index: s for s in plan.stages}
     order = sorted(stages) or [0]
     parts = ['<h2>Model, by pipeline stage</h2><p><button onclick="setAll(true)">expand all</button>'
@@ -281,8 +313,8 @@ def _model(plan) -> str:
         s = stages.get(k)
         title = (f"Stage {k} on pp rank {s.rank}: {human_time(s.predicted_time_s)} per microbatch, "
                  f"{human_bytes(s.memory_bytes)}" if s else "Stage 0 (no pipeline: the whole model)")
-        body = "".join(_layer_html(layer, colour, recomputed, plan.keep_gathered) for layer in layers
-                       if layer.stage == k)
+        body = "".join(_layer_html(layer, colour, recomputed, plan.keep_gathered, where)
+                       for layer, where in zip(layers, offloaded) if layer.stage == k)
         parts.append(f'<section class="stage" data-stage="{k}" style="--c:{colour}"><h3>{_e(title)}</h3>{body}</section>')
     if unattached:
         rows = "".join(f'<tr><td class="m">{_e(c.where or _TOP)}</td><td>{_e(c.kind)}</td><td>{_e(c.axis)}</td>'

@@ -275,7 +275,7 @@ class Plan:
         lines = [f"autopar plan ({self.source}) for mesh {mesh.dp_text()} pp={mesh.pp}{mesh.cp_text()} tp={mesh.tp} on {self.device}",
                  f"  microbatch input shapes {list(map(list, self.input_shapes))}, microbatches "
                  f"{self.microbatches}, sequence parallel {'on' if self.sequence_parallel else 'off'}, "
-                 f"ZeRO-{self.zero}{_zero_axes(self.zero, mesh)}{_kept_gathered(self.keep_gathered)}{_offloaded(self.offload, self.offload_kept, self.offload_delay)}, "
+                 f"ZeRO-{self.zero}{_zero_axes(self.zero, mesh)}{_kept_gathered(self.keep_gathered)}{_offloaded(self.offload, self.offload_kept, self.offload_delay, self.memory)}, "
                  f"precision {PRECISION_NOTES[self.precision]}{_cp_attention_text(self.cp, self.cp_attention)}",
                  "  placements: R replicated, P partial sum, S(d) sharded on dim d, "
                  "S(d)ik interleaved: dim d is k blocks (fused q,k,v) and each rank holds its slice of each",
@@ -390,12 +390,18 @@ def edited_source(source: str) -> str:
     return source if source.startswith("edited from ") else f"edited from {source}"
 
 
-def _offloaded(offload: str, kept: tuple[str, ...] = (), delay: int = 0) -> str:
+def _offloaded(offload: str, kept: tuple[str, ...] = (), delay: int = 0, memory=()) -> str:
+    """The summary's phrase for offload: where the optimizer lives, unit by unit, and its bytes there."""
     if offload == "none":
         return ""
-    where = (f" except for the units {', '.join(kept)}, whose state stays on the device" if kept else "")
+    gib = 2**30
+    host = sum(m.host for m in memory)
+    shown = ", ".join(kept) if len(kept) <= 4 else f"{len(kept)} units, {kept[0]} .. {kept[-1]}"
+    where = (f" except for the units {shown}, whose state stays on the device"
+             f" ({sum(m.optimizer for m in memory) / gib:.2f} GiB of optimizer state there)" if kept else "")
     late = ", applied one step late (offload_delay=1)" if delay else ""
-    return f", optimizer offloaded to the host (fp32 master and AdamW state in host memory){where}{late}"
+    return (f", optimizer offloaded to the host (fp32 master and AdamW state in host memory: {host / gib:.2f} GiB)"
+            f"{where}{late}")
 
 
 def offload_limit(offload: str, precision: str, zero: int, mesh, microbatches: int) -> str | None:
