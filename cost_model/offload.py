@@ -118,6 +118,20 @@ def backward_exposed(units, backward: float, dev, *, chunk: int = OFFLOAD_CHUNK)
     return max(0.0, landed - backward)
 
 
+def backward_floor(units, backward: float, dev, *, chunk: int = OFFLOAD_CHUNK) -> float:
+    """A lower bound of ``backward_exposed`` for ``units`` and for every longer list that starts with
+    them: the host's last job of ``units`` ends at e_n, and the jobs of units after them only end
+    later (each waits for the one before), so max(0, e_n - B). (The exposure itself may fall as
+    units are added: the last unit's weights come in after the backward, and a smaller last unit
+    copies in sooner.) A longer backward (more recomputed) only lowers it: every unit after the
+    longer one, and B, move later by as much, e_n by at most that."""
+    done = previous = 0.0
+    for params, ready in ((p, r) for p, r in units if p > 0):
+        done = max(ready, done) + host_job_time(params, dev, chunk=chunk, alongside=previous)
+        previous = params
+    return max(0.0, done - backward)
+
+
 def update_split(kept: float, host: float, dev, *, shards: int, working_copy: bool, timing: str, units=(),
                  backward: float = 0.0, window: float = 0.0) -> tuple[float, float]:
     """(update, offload) seconds of a rank whose device steps the optimizer of ``kept`` local fp32
@@ -205,10 +219,11 @@ def update_floor(cap, strategies, mesh, dev, *, zero: int, precision: str, offlo
     casts (which no split removes: the device's AdamW only shrinks as units leave) and the host's
     exposed seconds with ``offload_kept`` kept, priced beside the longest backward any recompute
     choice gives (``regions``: the most that may be recomputed) and the longest ``window`` of the
-    step's other terms. Exposure grows as units leave the device (each one more job, queued after
-    the others, its gradients final later; a smaller device update to hide behind) and shrinks as
-    the backward or the window lengthens, so no such split exposes less
-    (``planner.offload_split``'s floor)."""
+    step's other terms: beside the backward ``backward_floor`` (the host's jobs end no sooner as
+    units leave the device, each queued after the others, its gradients final later); after it or
+    one step late the exposure itself, which grows as units leave (more host work, a smaller device
+    update to hide behind); both shrink as the backward or the window lengthens, so no such split
+    exposes less (``planner.offload_split``'s floor)."""
     working_copy = 0.0 if precision == "fp32" else compute_dtype(precision).itemsize / 4
     shards = state_shards(mesh, zero, working_copy, True) if zero else 1
     local = local_param_bytes(cap, strategies, tuple(cap.params), mesh.tp)
@@ -216,12 +231,12 @@ def update_floor(cap, strategies, mesh, dev, *, zero: int, precision: str, offlo
     kept = sum(b for f, b in local.items() if f in on_device)
     host = sum(local.values()) - kept
     casts = update_time(kept + host, dev, working_copy=True, offload=True) if precision != "fp32" else 0.0
-    units, backward = (), 0.0
     if timing == "backward":
         units, backward = backward_units(cap, strategies, mesh, dev, zero=zero, offload_kept=offload_kept,
                                          regions=regions, tp_inter=tp_inter)
-    return casts + update_split(kept, host, dev, shards=shards, working_copy=False, timing=timing, units=units,
-                                backward=backward, window=window)[1]
+        return casts + backward_floor(units, backward, dev)
+    return casts + update_split(kept, host, dev, shards=shards, working_copy=False, timing=timing,
+                                window=window)[1]
 
 
 # host bytes per offloaded fp32 parameter: its master and AdamW's two moments (``state.state_bytes``' host)

@@ -29,14 +29,16 @@ cheapest recompute that fits), U(k) the device's update of the kept state and X(
 host's leaves exposed. peak(k) does not rise with k (an offloaded unit holds less on the device)
 and host(k) does not fall, so the ks that fit both are one range [k_lo, k_hi]: k_lo the least k
 that fits the device, by bisection over the priced peaks, k_hi the most the host holds.
-R(k) and U(k) do not rise with k, X(k) does not fall (module docstring of ``cost_model.offload``),
-so a floor of T at every k' >= k is
+R(k) and U(k) do not rise with k; X(k) has a floor X_lb(k) that does not fall: after the backward
+or one step late X itself, beside the backward the end of the host's last job past the backward's
+end (``cost_model.offload.backward_floor``; X itself can fall by a little as a smaller unit is
+added, whose weights copy in sooner after the backward). So a floor of T at every k' >= k is
 
     F(k) = W + C + X_lb(k)
 
-with C the 16-bit casts (U's part that no split removes) and X_lb(k) the exposed host time at k
-priced with the longest backward any recompute choice gives (the most every region recomputed:
-the backward hides at least that much less at any k' >= k, ``cost_model.offload.update_floor``).
+with C the 16-bit casts (U's part that no split removes) and X_lb(k) priced with the longest
+backward any recompute choice gives (every block recomputed: the backward hides at least that
+much less at any k' >= k, ``cost_model.offload.update_floor``).
 The scan prices k = k_lo, k_lo + 1, ... and stops at the first k whose floor is no less than the
 fastest step found (without a floor, at the first k no faster than the one before). The split
 kept is the one offloading the fewest units whose step is within ``MARGIN`` (relative) of the
