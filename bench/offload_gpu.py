@@ -123,16 +123,17 @@ def main(argv=None) -> int:
         pm.offload_overlap = False
     opt = pm.optimizer(torch.optim.AdamW, lr=1e-4)
     host_s = [0.0]   # the host updates' seconds in this step (worker thread included)
-    host = pm._offload.host
-    update = host.update
+    offloaded = pm._offload   # None where offload="auto" chose none: the model fits on the device
+    if offloaded is not None:
+        update = offloaded.host.update
 
-    def timed(*a, **k):
-        t = time.perf_counter()
-        try:
-            return update(*a, **k)
-        finally:
-            host_s[0] += time.perf_counter() - t
-    host.update = timed
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return update(*a, **k)
+            finally:
+                host_s[0] += time.perf_counter() - t
+        offloaded.host.update = timed
     build_peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
 
     def sync():
@@ -144,7 +145,8 @@ def main(argv=None) -> int:
         if i == args.warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         sync()
-        pm._offload.worker.drain()   # a delayed update of the last step counts in that step's host time
+        if offloaded is not None:
+            offloaded.worker.drain()   # a delayed update of the last step counts in that step's host time
         host_times.append(host_s[0])
         host_s[0] = 0.0
         t0 = time.perf_counter()
@@ -155,7 +157,8 @@ def main(argv=None) -> int:
         sync()
         times.append(time.perf_counter() - t0)
         step_calls.append(time.perf_counter() - t1)
-    pm._offload.worker.drain()
+    if offloaded is not None:
+        offloaded.worker.drain()
     host_times = host_times[1:] + [host_s[0]]
     step = statistics.median(times[args.warmup:])
     host_update = statistics.median(host_times[args.warmup:])
