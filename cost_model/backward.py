@@ -16,7 +16,7 @@ from torch.fx import Node
 
 from autopar.placement import local_shape
 
-from .activations import saved_tensors, shape_bytes
+from .activations import compiled_kept, saved_tensors, shape_bytes
 from .compute import node_flops
 from .memo import cached, strategies_of
 
@@ -91,13 +91,20 @@ def backward_excess(nodes, kept: dict, strategies: dict, size: int, grads: dict,
                              grads_held)
 
 
-def excess_parts(nodes, kept: dict, strategies: dict, size: int, params: tuple, whole_weights: bool = True) -> tuple:
+def excess_parts(nodes, kept: dict, strategies: dict, size: int, params: tuple, whole_weights: bool = True,
+                 regions=()) -> tuple:
     """What ``backward_excess`` reads of ``nodes`` apart from the parameter gradients' bytes (``params``:
     the parameter nodes it is given gradients of): per op that allocates in its backward, its
     position, alive(t), held(t), its transient and the 16-bit weight gradients it writes (its
     parameters, its dtype's size); where each parameter's gradient arrives; and sum(kept). The ZeRO
     stages, microbatch counts and offload choices of one stage differ only in those bytes, so
-    ``excess_with_grads`` prices each of them from one set of parts."""
+    ``excess_with_grads`` prices each of them from one set of parts.
+
+    ``regions`` (node lists) are recomputed: when the backward reaches one, its forward runs again and
+    what its ops keep without recompute (``compiled_kept`` of the region alone) is alive again for
+    their backwards, by the same rule as the rest (produced before t: alive at t). Without it a
+    Llama-shaped rank under full recompute peaked at 1.85 times its plan (Inductor, CPU, one layer's
+    activations made again beside the others' inputs)."""
     index, users_of, priced = _backward_ops(nodes, strategies, size, params)
     total = sum(kept.values())
     before = [0.0] * (len(nodes) + 1)   # before[t]: kept bytes produced before op t (graph inputs: -1)
@@ -106,7 +113,20 @@ def excess_parts(nodes, kept: dict, strategies: dict, size: int, params: tuple, 
         before[index.get(k[0], -1) + 1] += b
         if k[1] in ("mask", "stats", "lse"):
             own[k[0]] = own.get(k[0], 0.0) + b
+    again = [0.0] * (len(nodes) + 1)    # again[t]: a recomputed region's bytes made again and alive at its op t
+    for region in regions:
+        inside = [index[n] for n in region if n in index]
+        if not inside:
+            continue
+        made = [0.0] * (len(nodes) + 1)
+        for k, b in compiled_kept(tuple(region), strategies, size).items():
+            if k[0] in index and k not in kept and min(inside) <= index[k[0]] <= max(inside):
+                made[index[k[0]] + 1] += b
+        made = list(accumulate(made))
+        for t in inside:
+            again[t] += made[t]
     before = list(accumulate(before))
+    before = [b + a for b, a in zip(before, again)]
     arrivals = []                       # (op position, parameter): its gradient exists once that op's backward has run
     held = [0.0] * len(nodes)           # held[t]: deferred weight-gradient operands alive at op t
     for p, users in users_of:
@@ -144,14 +164,16 @@ def _backward_ops(nodes, strategies: dict, size: int, params: tuple) -> tuple:
         mine = set(params)
         for n in nodes:
             t = index[n]
-            # an op that computes allocates in its backward, and so does a loss over sharded logits
-            if n.op != "call_function" or (node_flops(n) == (0.0, 0.0) and not (
-                    n.target is aten.cross_entropy_loss.default and loss_buffer(n, strategies[n], size))):
+            # an op that computes allocates in its backward, and so do a loss over sharded logits and
+            # an embedding (its table's gradient)
+            if n.op != "call_function" or (node_flops(n) == (0.0, 0.0) and n.target is not aten.embedding.default
+                                           and not (n.target is aten.cross_entropy_loss.default
+                                                    and loss_buffer(n, strategies[n], size))):
                 continue
             dtype = getattr(n.meta.get("val"), "dtype", None)
-            # a 16-bit weight gradient is a buffer of its own until it is cast into the fp32 gradient
-            weights = (tuple(a for a in n.all_input_nodes if a in mine), dtype.itemsize) \
-                if dtype is not None and dtype.itemsize < 4 else None
+            # the weight gradients it writes and its dtype's bytes (``excess_with_grads`` prices them)
+            weights = (tuple(a for a in n.all_input_nodes if a in mine), dtype.itemsize,
+                       n.target is aten.embedding.default) if dtype is not None else None
             priced.append((n, t, backward_transient(n, strategies, size), weights))
         return index, users_of, priced
     if not nodes:
@@ -160,10 +182,18 @@ def _backward_ops(nodes, strategies: dict, size: int, params: tuple) -> tuple:
                   *strategies_of(strategies, nodes))
 
 
-def excess_with_grads(parts: tuple, grads: dict, grads_held: bool) -> list:
+def excess_with_grads(parts: tuple, grads: dict, grads_held: bool, whole: dict | None = None) -> list:
     """``backward_excess`` from its ``excess_parts`` and the gradients' bytes (``grads``: parameter node ->
-    bytes, for the parameters the parts were made with; ``grads_held`` as there)."""
+    bytes, for the parameters the parts were made with; ``grads_held`` as there).
+
+    The weight gradient an op writes is a buffer of its own (``_written``) until it reaches the
+    parameter's gradient: below ZeRO-2 at 16 bits, added into the fp32 buffer. ``whole`` (ZeRO-2/3:
+    parameter node -> elements of the weight gathered, its tp shard): weights whose whole gradient
+    is reduce-scattered (``collectives.gather_param``), in fp32, the dtype it sums in; the op's own
+    gradients die first (Inductor on CPU: a Llama's head writes its weight's gradient beside its
+    logits' gradient and casts it to fp32 once those are freed)."""
     ops, arrivals, total, length = parts
+    whole = whole or {}
     after = [0.0] * (length + 1)        # after[t]: gradients that exist once op t's backward has run
     if not grads_held:
         for t, p in arrivals:
@@ -171,6 +201,27 @@ def excess_with_grads(parts: tuple, grads: dict, grads_held: bool) -> list:
     after = list(accumulate(after[::-1]))[::-1]
     out = []
     for n, t, alive, held, transient, weights in ops:
-        spent = sum(grads[a] * weights[1] / 4 for a in weights[0]) if weights is not None else 0.0
-        out.append((n, alive + after[t] + held + transient + spent - total))
+        if weights is not None and weights[2] and not any(a in whole for a in weights[0]):
+            continue   # below ZeRO-2 an embedding's table gradient is priced with the parameters' gradients
+        beside, cast = (0.0, 0.0) if weights is None else _written(weights, grads, whole)
+        out.append((n, alive + after[t] + held + max(transient + beside, cast) - total))
     return out
+
+
+def _written(weights: tuple, grads: dict, whole: dict) -> tuple[float, float]:
+    """(bytes beside the op's own gradients, bytes once they are freed) of the weight gradients one
+    op writes (``weights``: the parameters, its dtype's bytes and whether it is an embedding),
+    ``excess_with_grads``' rules. Below ZeRO-2 at 16 bits a matmul's weight gradient is at its
+    dtype until added into the fp32 buffer (``grads``' bytes). Under ZeRO-2/3 (``whole``) it is cast
+    to fp32 whole for the reduce-scatter; an embedding sums its table's gradient in fp32 (Inductor
+    on CPU, bf16: two fp32 tables, the sum and the reduce-scatter's copy, at the end of the backward)."""
+    params, itemsize, embedding = weights
+    beside = cast = 0.0
+    for a in params:
+        if a in whole:
+            mine = whole[a] * (4 if embedding else itemsize)
+            beside += mine
+            cast += mine + (whole[a] * 4 if itemsize < 4 or embedding else 0.0)
+        elif itemsize < 4:
+            beside += grads[a] * itemsize / 4
+    return beside, cast

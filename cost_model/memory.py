@@ -51,8 +51,8 @@ from .context import context_memory
 from .memo import cached, strategies_of
 from .repeats import back, shifted
 from .stages import inflight_microbatches
-from .state import (host_state, kept_params, kept_state_bytes, kept_working_copies, param_grad_bytes, param_state,
-                    stage_fqns, state_bytes, state_bytes_per_param_byte, state_shards)
+from .state import (host_state, kept_params, kept_state_bytes, kept_working_copies, local_param_bytes, param_grad_bytes,
+                    param_state, stage_fqns, state_bytes, state_bytes_per_param_byte, state_shards)
 from .terms import MemoryPlan, memory_plans
 
 
@@ -247,6 +247,9 @@ def _stage_terms(cap, strategies, mesh, nodes, mine, zero, microbatches, working
     per_param = {cap.params[f]: b for f, b in param_grad_bytes(cap, strategies, fqns, mesh.tp, shards, zero,
                                                                working_copy, offload, split).items()}
     parts = cached(nodes[0].graph, ("excess_parts", nodes, mine, mesh.tp),
-                   lambda: excess_parts(nodes, kept, strategies, mesh.tp, tuple(per_param)), *read)
-    excess = excess_with_grads(parts, per_param, held)
+                   lambda: excess_parts(nodes, kept, strategies, mesh.tp, tuple(per_param), regions=mine), *read)
+    # ZeRO-2/3 reduce-scatter each weight's whole gradient (its tp shard's elements)
+    whole = {cap.params[f]: b / cap.params[f].meta["val"].element_size()
+             for f, b in local_param_bytes(cap, strategies, fqns, mesh.tp).items()} if zero >= 2 and shards > 1 else None
+    excess = excess_with_grads(parts, per_param, held, whole)
     return params, grads if held else 0.0, opt, sum(kept.values()), excess

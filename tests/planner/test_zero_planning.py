@@ -180,11 +180,13 @@ def test_pipeline_stages_keep_what_fits_too():
     model = build("gpt2", device="meta", n_layer=4)
     x = example_inputs(model.config, 16, 512, device="meta")
     mesh = (2, 2, 1)
-    every = autopar.plan(model, mesh, x, device="h100", zero=3)
-    none = autopar.plan(model, mesh, x, device="h100", zero=3, keep_gathered=())
+    # at one microbatch count: the budget between two of its plans is to be met by keeping fewer units,
+    # not by another count whose smaller activations leave room for them all
+    every = autopar.plan(model, mesh, x, device="h100", zero=3, microbatches=2)
+    none = autopar.plan(model, mesh, x, device="h100", zero=3, keep_gathered=(), microbatches=2)
     assert every.keep_gathered and _peak(none) < _peak(every)
     budget = (_peak(none) + _peak(every)) / 2
-    part = autopar.plan(model, mesh, x, device="h100", zero=3, memory_budget=budget)
+    part = autopar.plan(model, mesh, x, device="h100", zero=3, memory_budget=budget, microbatches=2)
     assert 0 < len(part.keep_gathered) < len(every.keep_gathered) and _peak(part) <= budget
     assert every.predicted_step_time < part.predicted_step_time < none.predicted_step_time
     assert [s.modules for s in part.stages] == [s.modules for s in none.stages]   # the cut stays
