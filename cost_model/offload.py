@@ -56,15 +56,18 @@ from .strategy import OP_OVERHEAD, strategy_time
 OFFLOAD_TIMINGS = ("backward", "after", "delayed")
 
 
-def offload_timing(mesh, zero: int, delay: int) -> str:
+def offload_timing(mesh, zero: int, delay: int, *, inductor: bool = True) -> str:
     """When the host's update runs under offload (module docstring): "delayed" with ``delay``,
     "backward" where each unit's gradients are final inside the backward (one stage, no dp or cp
-    sum after it, not ZeRO-1), else "after". Inductor's CUDA graphs, which replay no host work,
-    move "backward" to "after" at run time; the plan does not know the compile mode."""
+    sum after it, not ZeRO-1) and the step is not lowered through Inductor, else "after". Plans
+    are priced for ``parallelize``'s default, Inductor (``inductor``): on one H200 the host's jobs
+    started from the markers of an Inductor backward ended as late as if they had started at its
+    end (1.396 s per step against 1.268 s updating after it, ``docs/design.md``), so the runtime
+    updates after the backward there (``runtime.program._updates_in_backward``)."""
     if delay:
         return "delayed"
     fsdp = zero >= 2 and mesh.dp_shard > 1
-    if mesh.pp == 1 and zero != 1 and (mesh.data == 1 or fsdp):
+    if mesh.pp == 1 and zero != 1 and (mesh.data == 1 or fsdp) and not inductor:
         return "backward"
     return "after"
 

