@@ -226,3 +226,22 @@ def context_memory(cap, strategies: dict[Node, object], cp: int, tp: int, attent
                     kept += held
         out.append((kept, transient))
     return out
+
+
+def attention_floor(cap, cp: int, tp: int, dev, gpus_per_node: int, attention: str = "auto") -> dict:
+    """Per attention of ``cap``'s graph, at most the exposed seconds of its cp traffic in one
+    microbatch under any tp strategy (``cp_attention_seconds``' sums, module docstring): its keys
+    and values hold at least 1/tp of their bytes on a rank; "allgather" gathers and
+    reduce-scatters them, "ring" sends at least its last gradient hop, T(G), after its compute
+    (what that compute hides of the rest is not bounded here); "auto" the less of the two."""
+    inter = axis_links(cp, tp, gpus_per_node)
+    out = {}
+    for n in cap.gm.graph.nodes:
+        if n.target is not aten.scaled_dot_product_attention.default:
+            continue
+        kv = [math.prod(shape(n.args[slot])) * n.args[slot].meta["val"].element_size() / tp for slot in (1, 2)]
+        gathered = sum(collective_time("all_gather", x, cp, dev, inter) + collective_time("reduce_scatter", x, cp, dev,
+                                                                                          inter) for x in kv)
+        ring = send_recv_time(_ring_blocks(sum(kv), n.args[1].meta["val"].element_size(), cp)[1], dev, inter)
+        out[n] = gathered if attention == "allgather" else ring if attention == "ring" else min(gathered, ring)
+    return out

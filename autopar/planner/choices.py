@@ -28,9 +28,10 @@ from autopar.graph.precision import retyped, working_copy_ratio
 from autopar.graph.units import find_blocks, layer_units, zero_units
 from autopar.mesh import Mesh
 from autopar.planner.candidate import Candidate
+from autopar.planner.floors import RowFloors
 from autopar.planner.mesh_search import rank_meshes, ranking_table
 from autopar.planner.offload_split import fraction_units, kept_units, offload_order, search_split
-from autopar.planner.price import offload_pricer, pipeline_work, price, unit_work
+from autopar.planner.price import offload_pricer, pipeline_work, price
 from autopar.planner.recompute import regions_for
 from autopar.planner.request import Job, microbatch_options
 from autopar.planner.stage_cut import choose_cut
@@ -442,7 +443,7 @@ def auto_mesh(job: Job) -> tuple[Mesh, int, tuple[str, ...]]:
                                    memory_budget=req.limit, gpus_per_node=req.gpus_per_node,
                                    hsdp=req.zero == "auto" or req.zero in (1, 2, 3),   # ZeRO shards dp_shard
                                    sequence_parallel=req.sequence_parallel, schedule=req.schedule,
-                                   virtual=req.virtual_stages, work=unit_work)
+                                   virtual=req.virtual_stages, bound=RowFloors(job, 1))
     table = ranking_table(options, context=context)
     best = options[0]
     if not best.fits:

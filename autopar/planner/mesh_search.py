@@ -37,7 +37,8 @@ with pipeline stages the recipes' micro-batch 1, the least bubble). Without pipe
 larger microbatches do the same work in larger matmuls with fewer launches and ZeRO gathers, and
 keep more activations: a mesh whose row is the fastest fitting one so far is planned again at
 each count down the divisors of its own while the last fitted (``_fewer_microbatches``; each
-sequences-per-microbatch is one capture). Not exact, to bound the planning time (each larger
+sequences-per-microbatch is one capture), but a count whose step floor is no faster than the fastest
+fitting row (below). Not exact, to bound the planning time (each larger
 microbatch is a capture of its own, seconds for a 70B model): a mesh slower at one sequence per
 microbatch than the best so far may be faster at fewer, and one microbatch, which holds no
 gradients through its forward, may fit where two did not.
@@ -52,13 +53,10 @@ no less recompute. So a variant is planned only where its mesh's first plan, les
 faster than the fastest fitting plan ranked so far: no variant below that bound can win; and v
 rises only while its step falls (the bubble shrinks as 1/v, the cuts' point-to-point grows with v;
 not exact where the stage cut moves with v). Each planned variant is a row of its own ("I1F1B v5").
-A variant at v is also skipped where the cost model's floor of its step (``_variant_floor``) is no
-faster than that fastest row: any cut of p·v stages makes a step of m microbatches last at least
-m·W/p + (p-1)·W/(p·v) (``cost_model.stages.pipeline_time``: the busiest rank holds at least 1/p of
-the stage seconds W, the slowest stage at least 1/(p·v)), where W is at least the units' seconds
-and the p·v - 1 least cut seconds (``price.unit_work``; recompute and the other terms only add).
-It is the first plan's strategies that W is priced at: exact where the variant's are the same, as
-the schedule does not enter the tp ILP (a ZeRO stage may move them at tp > 1).
+A variant (and a count of fewer microbatches, above) is also skipped where its step floor
+(``bound``: ``planner.floors``, the least step any plan of that layout can have, whatever its ZeRO
+stage, offload, recompute, strategies and stage cut) is no faster than that fastest row: it cannot
+be faster and fit.
 """
 from __future__ import annotations
 
@@ -92,7 +90,6 @@ class MeshOption:
     terms: dict | None = None   # the step time's terms (``StepTerms.as_dict``, seconds)
     schedule: str = "1F1B"
     virtual: int = 1         # pipeline stages per pp rank
-    work: tuple = ()         # (units' seconds, cut seconds least first) per microbatch and cp rank, with pp > 1
 
 
 # the step's terms a row shows (``cost_model.terms.StepTerms``), and their column heads
@@ -170,7 +167,7 @@ def allows_context(cap, cp: int) -> str:
 def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budget: float,
                 gpus_per_node: int = 8, microbatch_size: int = 1, hsdp: bool = False,
                 sequence_parallel="auto", schedule: str = "1F1B", virtual=None,
-                work=None) -> tuple[list[MeshOption], str]:
+                bound=None) -> tuple[list[MeshOption], str]:
     """Every (dp, pp, tp) with dp * pp * tp == world_size that the model and batch allow, and the
     (dp, pp, cp, tp) the module docstring says can pay, each with the pipeline schedules it says can
     pay (``schedule_options`` of the request's ``schedule`` and ``virtual`` stages), fastest fitting
@@ -183,9 +180,9 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
     ``capture(inputs)``: the model traced at one microbatch, for the checks a mesh must pass before
     it is planned (tp divides the heads, pp at most the layer units, the model allows cp); ``memory_budget``: bytes per
     device; ``hsdp``: also rank each multi-node dp split as HSDP (``hsdp_split``);
-    ``sequence_parallel``: the knob (True asks each cp rank's tokens to split over tp); ``work(candidate)``:
-    what any stage cut of a pipelined candidate adds up (``price.unit_work``), for the variants'
-    floor (module docstring), none where not given."""
+    ``sequence_parallel``: the knob (True asks each cp rank's tokens to split over tp); ``bound(mesh,
+    microbatches, schedule, virtual)``: a layout's floors (``planner.floors.Floor``), for the variants
+    and counts of fewer microbatches it skips (module docstring), none where not given."""
     first = example_inputs[0]
     batch, seq = first.shape[0], first.shape[1] if first.dim() > 1 else None   # cp splits dim 1, the sequence
     cap = capture(tuple(x[:microbatch_size] for x in example_inputs))
@@ -218,9 +215,9 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
                 rows = []
                 for mesh in (plain, split) if split else (plain,):
                     rows += _variants(mesh, m, price, memory_budget, out + rows,
-                                      schedule_options(pp, len(units), m, schedule, virtual), work)
+                                      schedule_options(pp, len(units), m, schedule, virtual), bound)
                 for o in list(rows):
-                    rows += _fewer_microbatches(o, price, memory_budget, out + rows)
+                    rows += _fewer_microbatches(o, price, memory_budget, out + rows, bound)
                 out += rows
                 if any(o.fits and not _pays_for_memory(o) for o in rows) or (
                         not any(o.fits for o in rows) and any(o.fits for o in out if (o.mesh.pp, o.mesh.tp) == (pp, tp))):
@@ -246,15 +243,20 @@ def _context_lines(seq, world_size: int, refused: dict) -> str:
                         for reason, cps in why_not.items()])
 
 
-def _fewer_microbatches(o: MeshOption, price, memory_budget: float, ranked: list[MeshOption]) -> list[MeshOption]:
+def _fewer_microbatches(o: MeshOption, price, memory_budget: float, ranked: list[MeshOption],
+                        bound=None) -> list[MeshOption]:
     """Rows of ``o``'s mesh, if it fits without pipeline stages and is the fastest fitting row so far
     (among ``ranked``), planned at fewer, larger microbatches (module docstring): each count down the
-    divisors of its count while the last fitted."""
+    divisors of its count while the last fitted, but those whose step floor (``bound``) is no faster
+    than the fastest fitting row."""
     out = []
     best = min((r.step_time for r in ranked if r.fits and r is not o), default=math.inf)
     if not (o.fits and o.mesh.pp == 1 and o.step_time < best):
         return out
     for count in (k for k in range(o.microbatches - 1, 0, -1) if o.microbatches % k == 0):
+        fastest = min((r.step_time for r in ranked + out + [o] if r.fits), default=math.inf)
+        if bound is not None and bound(o.mesh, count, o.schedule, o.virtual).step >= fastest:
+            continue   # it cannot be faster and fit
         out.append(_priced(o.mesh, count, price, memory_budget, o.schedule, o.virtual))
         if not out[-1].fits:
             break
@@ -268,14 +270,13 @@ def _pays_for_memory(o: MeshOption) -> bool:
 
 
 def _variants(mesh: Mesh, m: int, price, memory_budget: float, ranked: list[MeshOption], schedules,
-              work=None) -> list[MeshOption]:
+              bound=None) -> list[MeshOption]:
     """The rows of ``mesh`` at ``m`` microbatches: the first of ``schedules`` planned, then each other
     one while the first's step less its bubble is below the fastest fitting step among ``ranked``
-    and these rows (the module docstring's bound), but those whose floor is not below it
-    (``_variant_floor`` of the first's ``work``), and until a fitting variant is no faster than
-    the fitting one before it."""
+    and these rows (the module docstring's bound), but those whose step floor (``bound``) is not
+    below it, and until a fitting variant is no faster than the fitting one before it."""
     first, *others = schedules
-    rows = [_priced(mesh, m, price, memory_budget, *first, work=work)]
+    rows = [_priced(mesh, m, price, memory_budget, *first)]
     base = rows[0]
     if not others or not base.terms:
         return rows
@@ -284,7 +285,7 @@ def _variants(mesh: Mesh, m: int, price, memory_budget: float, ranked: list[Mesh
         best = min((o.step_time for o in ranked + rows if o.fits), default=math.inf)
         if floor >= best:
             break
-        if _variant_floor(base.work, mesh.pp, m, sched[1]) >= best:
+        if bound is not None and bound(mesh, m, *sched).step >= best:
             continue   # the floor falls as v rises: a larger v may still pass
         rows.append(_priced(mesh, m, price, memory_budget, *sched))
         if len(rows) > 2 and rows[-1].fits and rows[-2].fits and rows[-1].step_time >= rows[-2].step_time:
@@ -292,20 +293,9 @@ def _variants(mesh: Mesh, m: int, price, memory_budget: float, ranked: list[Mesh
     return rows
 
 
-def _variant_floor(work: tuple, p: int, m: int, v: int) -> float:
-    """The least step any cut of p·v stages can have for ``m`` microbatches (module docstring), from
-    ``work`` (``MeshOption.work``); 0 where not known."""
-    if not work:
-        return 0.0
-    units, cuts = work
-    whole = units + math.fsum(cuts[:p * v - 1])
-    return whole * (m + (p - 1) / v) / p
-
-
-def _priced(mesh: Mesh, m: int, price, memory_budget: float, schedule: str, virtual: int,
-            work=None) -> MeshOption:
+def _priced(mesh: Mesh, m: int, price, memory_budget: float, schedule: str, virtual: int) -> MeshOption:
     """The ranking's row of ``mesh`` at ``m`` microbatches with ``schedule`` and ``virtual`` stages per
-    pp rank: its plan's figures, or why none fits; with ``work`` (``rank_meshes``') what its cuts add up."""
+    pp rank: its plan's figures, or why none fits."""
     try:
         candidate = price(mesh, m, schedule, virtual)
     except ValueError as e:
@@ -314,8 +304,7 @@ def _priced(mesh: Mesh, m: int, price, memory_budget: float, schedule: str, virt
     return MeshOption(mesh, m, candidate.step_time, peak, peak <= memory_budget, zero=c.zero, recompute=c.recompute,
                       recompute_regions=len(c.recompute_regions), offload=c.offload,
                       kept_gathered=len(c.keep_gathered), terms=candidate.terms.as_dict(),
-                      schedule=c.schedule, virtual=c.virtual_stages,
-                      work=work(candidate) if work is not None and mesh.pp > 1 else ())
+                      schedule=c.schedule, virtual=c.virtual_stages)
 
 
 def schedule_name(o: MeshOption) -> str:

@@ -299,19 +299,6 @@ def _pipelined(base: _Base, strategies: dict, recompute: str, regions, kept, bou
         rank_units(params, cut.bounds, mesh)
 
 
-def unit_work(cand: Candidate) -> tuple[float, tuple[float, ...]]:
-    """What any stage cut of ``cand``'s pipeline adds up, per microbatch and per cp rank, at its
-    strategies: its layer units' seconds (the stage DP's, recompute left out), and each place's cut
-    seconds, least first (a cut of p·v stages pays p·v - 1 of them). ``mesh_search`` bounds an
-    interleaved variant's step by them (its ``_variant_floor``); (0.0, ()) without pipeline stages."""
-    mesh, req = cand.choices.mesh, cand.request
-    if mesh.pp == 1:
-        return 0.0, ()
-    time, boundary, _ = unit_costs(cand.cap, cand.strategies, layer_units(cand.cap), mesh, req.device,
-                                   gpus_per_node=req.gpus_per_node)
-    return float(time.sum()) / mesh.cp, tuple(sorted(float(c) / mesh.cp for c in boundary))
-
-
 def pipeline_work(cut, tp, boundary, pp: int, microbatches: int, virtual: int, again=None) -> tuple[dict, list]:
     """The busiest pipeline rank's compute, tp and pp work and the bubble of the stage ``cut``
     (``pipeline_split``), and each stage's seconds per microbatch: its units' (compute with their tp

@@ -292,6 +292,25 @@ def _problem(cap: Captured, options, tp: int, dev, inter_node: bool):
     """The ILP's tables for ``solve`` that do not depend on what a parameter byte costs: the nodes
     solved (one per block twin), their ids, twins and multiplicities, per node and strategy its
     time with the launch overhead and its parameter bytes, the edges and the shared groups."""
+    nodes, ids, rep, mult, uses, masked, groups = _layout(cap, options)
+
+    def move(moved, consumer, slot, form, fl):
+        return move_time(moved, consumer.target, slot, form, tp, dev, inter_node, fl)
+    base = {n: [strategy_time(n, s, tp, dev, inter_node) + (OP_OVERHEAD if n.op == "call_function" else 0.0)
+                for s in options[n]] for n in nodes}
+    param_bytes = {n: [param_memory(n, s, tp, 1.0) for s in options[n]] for n in nodes}
+    edges, shared = _edges(options, ids, uses, masked, groups, move)
+    return nodes, ids, rep, mult, base, param_bytes, edges, shared
+
+
+def _layout(cap: Captured, options):
+    """The ILP's structure: the nodes solved (one per block twin), their ids, twins and
+    multiplicities, the edges between them with their counts, the edges priced by a shared group
+    instead, and the shared groups with their counts; once per capture and options."""
+    return cached(cap.gm.graph, ("ilp_layout",), lambda: _laid_problem(cap, options), options)
+
+
+def _laid_problem(cap: Captured, options):
     g = cap.gm.graph
     rep: dict[Node, Node] = {n: n for n in options}
     # A block is charged to the first one whose nodes have the same options in the same order:
@@ -317,19 +336,20 @@ def _problem(cap: Captured, options, tp: int, dev, inter_node: bool):
     uses = Counter((rep[p], rep[c], slot) for p, outs in fan_out.items() if p not in shared_set for c, slot in outs)
     masked = dict.fromkeys((rep[p], rep[c], slot) for p in shared_at for c, slot in fan_out[p])
     groups = Counter((rep[p], tuple((rep[c], slot) for c, slot in fan_out[p])) for p in shared_at)
+    return nodes, ids, rep, mult, uses, masked, groups
 
-    base = {n: [strategy_time(n, s, tp, dev, inter_node) + (OP_OVERHEAD if n.op == "call_function" else 0.0)
-                for s in options[n]] for n in nodes}
-    param_bytes = {n: [param_memory(n, s, tp, 1.0) for s in options[n]] for n in nodes}
-    edges = [(ids[p], ids[c], k * _edge_matrix(p, c, slot, options, tp, dev, inter_node))
-             for (p, c, slot), k in uses.items()]
-    edges += [(ids[p], ids[c], np.where(np.isinf(_edge_matrix(p, c, slot, options, tp, dev, inter_node)), np.inf, 0.0))
+
+def _edges(options, ids, uses, masked, groups, move):
+    """The ILP's edge matrices and shared groups, each move priced by ``move(moved, consumer, slot,
+    (source placement, wanted placement, divergent), is_float)``."""
+    edges = [(ids[p], ids[c], k * _edge_matrix(p, c, slot, options, move)) for (p, c, slot), k in uses.items()]
+    edges += [(ids[p], ids[c], np.where(np.isinf(_edge_matrix(p, c, slot, options, move)), np.inf, 0.0))
               for p, c, slot in masked if (p, c, slot) not in uses]
-    shared = [_shared_group(p, members, k, ids, options, tp, dev, inter_node) for (p, members), k in groups.items()]
-    return nodes, ids, rep, mult, base, param_bytes, edges, shared
+    shared = [_shared_group(p, members, k, ids, options, move) for (p, members), k in groups.items()]
+    return edges, shared
 
 
-def _edge_matrix(producer: Node, consumer: Node, slot: int, options, tp, dev, inter_node) -> np.ndarray:
+def _edge_matrix(producer: Node, consumer: Node, slot: int, options, move) -> np.ndarray:
     srcs, dsts = options[producer], options[consumer]
     moved = consumer if isinstance(producer.meta.get("val"), (list, tuple)) else producer
     fl = is_float(producer)
@@ -343,12 +363,12 @@ def _edge_matrix(producer: Node, consumer: Node, slot: int, options, tp, dev, in
                 m[i, j] = np.inf   # a multi-output op's pieces are taken as they are
                 continue
             if key not in cache:
-                cache[key] = move_time(moved, consumer.target, slot, key, tp, dev, inter_node, fl)
+                cache[key] = move(moved, consumer, slot, key, fl)
             m[i, j] = cache[key]
     return m
 
 
-def _shared_group(producer: Node, members, count: int, ids, options, tp, dev, inter_node):
+def _shared_group(producer: Node, members, count: int, ids, options, move):
     """The ILP's shared group (``autopar.planner.ilp``) of one producer's consumers: each consumer strategy
     asks for a form (placement, divergent) of the value, and every distinct form is paid once."""
     fl = is_float(producer)
@@ -358,10 +378,29 @@ def _shared_group(producer: Node, members, count: int, ids, options, tp, dev, in
         keys = [forms.setdefault((b.inputs[slot], b.divergent(slot) and fl), len(forms)) for b in options[c]]
         keyed.append((ids[c], keys))
     c0, slot0 = members[0]
-    table = np.array([[move_time(producer, c0.target, slot0, (a.output, *form), tp, dev, inter_node, fl)
-                       for form in forms] for a in options[producer]])
+    table = np.array([[move(producer, c0, slot0, (a.output, *form), fl) for form in forms] for a in options[producer]])
     # an impossible move is forbidden by the pairwise edge; the group only prices possible ones
     return ids[producer], keyed, count * np.where(np.isinf(table), 0.0, table)
+
+
+def least_step_seconds(cap: Captured, options, op_seconds, move_seconds) -> float | None:
+    """The least seconds of one microbatch's ops and tp collectives over every assignment ``solve``
+    can choose (block twins alike), each op under a strategy priced ``op_seconds(node, strategy)``
+    (its collectives inside it included) plus ``OP_OVERHEAD``, each move between them
+    ``move_seconds(moved node, consumer, slot, (source placement, wanted placement, divergent),
+    is_float)``: the ILP's optimum, without parameter byte prices or a memory row; None where the
+    solver does not prove it optimal. With ``strategy_time`` and the moves' collectives without
+    their launch overhead this is a floor of what a plan's compute and tp terms add up to per
+    microbatch (``planner.floors``), the ILP's own objective being those terms and one
+    ``LAUNCH_OVERHEAD`` per collective between ops."""
+    nodes, ids, rep, mult, uses, masked, groups = _layout(cap, options)
+    costs = [mult[n] * np.array([op_seconds(n, s) + (OP_OVERHEAD if n.op == "call_function" else 0.0)
+                                 for s in options[n]]) for n in nodes]
+    edges, shared = _edges(options, ids, uses, masked, groups, move_seconds)
+    sol = solve_strategies(costs, edges, shared=shared)
+    if sol.status != "optimal":
+        return None
+    return evaluate(costs, edges, sol.choice, shared=shared)[0]
 
 
 # ---- from an assignment to a Plan, and back ------------------------------------------------

@@ -28,7 +28,18 @@ _GIB = float(2 ** 30)
 
 class NoCutFits(PlanError):
     """No pipeline stage cut fits the memory budget (recompute or more stages may mend it, unlike the
-    other PlanErrors of a cut: a wrong ``stages=``)."""
+    other PlanErrors of a cut: a wrong ``stages=``). Its message is made once first read
+    (``explain()``): it prices the least-memory cut, which a caller that tries another recompute
+    next never reads."""
+
+    def __init__(self, explain):
+        super().__init__()
+        self._explain, self._text = explain, None
+
+    def __str__(self) -> str:
+        if self._text is None:
+            self._text = self._explain()
+        return self._text
 
 
 def choose_cut(costs, units: list[Unit], mesh, *, schedule: str, microbatches: int, virtual: int,
@@ -50,13 +61,16 @@ def choose_cut(costs, units: list[Unit], mesh, *, schedule: str, microbatches: i
             cut = cut_stages(time, static, act, boundary, memory_budget=budget, **kw)
         except BudgetMissed as e:
             if peaks is None:
-                raise NoCutFits(str(e)) from None
-            if missed is None:   # the DP's figure misses with every cut: the peak of its least-memory cut
-                missed = max(peaks(e.least))
-            raise NoCutFits(f"the pipeline needs {missed / _GIB:.4g} GiB per rank with the least-memory cut found under "
-                            f"{schedule} (pp={mesh.pp}, v={virtual}, {microbatches} microbatches), its backward's "
-                            f"transient included, but the memory budget is {memory_budget / _GIB:.4g} GiB; use "
-                            "more pipeline stages, tensor parallelism or recompute") from None
+                raise NoCutFits(e.__str__) from None
+
+            def explain(e=e, missed=missed):
+                if missed is None:   # the DP's figure misses with every cut: the peak of its least-memory cut
+                    missed = max(peaks(e.least))
+                return (f"the pipeline needs {missed / _GIB:.4g} GiB per rank with the least-memory cut found under "
+                        f"{schedule} (pp={mesh.pp}, v={virtual}, {microbatches} microbatches), its backward's "
+                        f"transient included, but the memory budget is {memory_budget / _GIB:.4g} GiB; use "
+                        "more pipeline stages, tensor parallelism or recompute")
+            raise NoCutFits(explain) from None
         if peaks is None or memory_budget is None:
             return cut
         peak = max(peaks(cut.bounds))
@@ -64,8 +78,9 @@ def choose_cut(costs, units: list[Unit], mesh, *, schedule: str, microbatches: i
             return cut
         missed = peak if missed is None else min(missed, peak)
         if not recut:
-            raise NoCutFits(f"the pipeline's fastest cut needs {peak / _GIB:.4g} GiB per rank, its backward's "
-                            f"transient included, but the memory budget is {memory_budget / _GIB:.4g} GiB")
+            text = (f"the pipeline's fastest cut needs {peak / _GIB:.4g} GiB per rank, its backward's "
+                    f"transient included, but the memory budget is {memory_budget / _GIB:.4g} GiB")
+            raise NoCutFits(lambda: text)
         budget = max(cut.rank_memory) - (peak - memory_budget)
 
 

@@ -148,11 +148,26 @@ class StageCut:
 
 
 class BudgetMissed(ValueError):
-    """No cut fits the memory budget; ``least`` is the cut of least per-rank memory found."""
+    """No cut fits the memory budget; ``least`` is the cut of least per-rank memory found. Given as
+    ``explain()`` -> (message, least), both are found once first asked for: a caller that only needs
+    to know that no cut fits (recompute="auto" trying a cut without recompute first) pays for no
+    least-memory search, which for v > 1 is a branch and bound of its own."""
 
-    def __init__(self, message: str, least):
-        super().__init__(message)
-        self.least = least
+    def __init__(self, explain):
+        super().__init__()
+        self._explain, self._told = explain, None
+
+    def _answer(self):
+        if self._told is None:
+            self._told = self._explain()
+        return self._told
+
+    def __str__(self) -> str:
+        return self._answer()[0]
+
+    @property
+    def least(self):
+        return self._answer()[1]
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -657,7 +672,7 @@ def cut_stages(time, static_mem, act_mem, boundary, *, p, m, v=1, schedule="1F1B
             del _CUTS[next(iter(_CUTS))]
         _CUTS[key] = answer
     if isinstance(answer, BudgetMissed):
-        raise BudgetMissed(str(answer), answer.least)
+        raise BudgetMissed(answer._answer)   # the kept refusal's message and cut, found once
     return answer
 
 
@@ -670,14 +685,19 @@ def _cut_stages(time, static_mem, act_mem, boundary, *, p, m, v, schedule, memor
             raise ValueError(f"memory_budget must be a number of bytes >= 0 or None, got {memory_budget!r}")
     f = inflight_microbatches(p, m, v, schedule)
     pre = _Prefix(t, w, a, c)
-    gap = 0.0
+    gap, peaks = 0.0, []
+
+    def least_peak():   # _min_peak's answer, searched once
+        if not peaks:
+            peaks.append(_min_peak(t, w, a, c, p, m, v, f))
+        return peaks[0]
     if v == 1:
         bounds = _search_v1(pre, f, memory_budget, m)
     else:
         bb = _BB(t, w, a, c, p, m, v, f, memory_budget, "time")
         bounds = bb.run(_seeds_v(pre, p, m, v, f))
         if bounds is None and not bb.complete:       # gave up before finding a cut that fits
-            peak, mcut, _ = _min_peak(t, w, a, c, p, m, v, f)
+            peak, mcut, _ = least_peak()
             if _fits(peak, memory_budget):          # a cut fits: hill-climb it, no bound proven
                 bb2 = _BB(t, w, a, c, p, m, v, f, memory_budget, "time")
                 bb2.offer(mcut)
@@ -686,15 +706,16 @@ def _cut_stages(time, static_mem, act_mem, boundary, *, p, m, v, schedule, memor
         else:
             gap = bb.gap()
     if bounds is None:
-        need, least, low = _min_peak(t, w, a, c, p, m, v, f)
-        exact = need <= low * (1.0 + 1e-9)
-        needs = (f"needs at least {_gib(need)} ({need:.6g} bytes) per rank" if exact else
-                 f"needs {_gib(need)} ({need:.6g} bytes) per rank with the best cut found (no cut "
-                 f"needs less than {_gib(low)})")
-        raise BudgetMissed(
-            f"the pipeline {needs} under {schedule} (pp={p}, v={v}, {m} microbatches), but the "
-            f"memory budget is {_gib(memory_budget)} ({memory_budget:.6g} bytes); use more "
-            f"pipeline stages, tensor parallelism or recompute", least)
+        def explain():
+            need, least, low = least_peak()
+            exact = need <= low * (1.0 + 1e-9)
+            needs = (f"needs at least {_gib(need)} ({need:.6g} bytes) per rank" if exact else
+                     f"needs {_gib(need)} ({need:.6g} bytes) per rank with the best cut found (no cut "
+                     f"needs less than {_gib(low)})")
+            return (f"the pipeline {needs} under {schedule} (pp={p}, v={v}, {m} microbatches), but the "
+                    f"memory budget is {_gib(memory_budget)} ({memory_budget:.6g} bytes); use more "
+                    f"pipeline stages, tensor parallelism or recompute", least)
+        raise BudgetMissed(explain)
     cut = evaluate_cut(bounds, t, w, a, c, p=p, m=m, v=v, schedule=schedule)
     assert all(_fits(x, memory_budget) for x in cut.rank_memory)
     return StageCut(cut.bounds, cut.stage_times, cut.rank_memory, cut.step_time, gap)

@@ -215,3 +215,28 @@ def test_speed_100_units_8_stages():
         assert dt < 2.0
         if budget is not None:
             assert max(cut.rank_memory) <= budget * (1 + 1e-9)
+
+
+def test_a_refusal_searches_its_least_memory_cut_only_once_asked(monkeypatch):
+    """recompute="auto" asks for a cut without recompute first and moves on when none fits: the
+    refusal's least-memory cut (a branch and bound of its own for v > 1) is searched only when its
+    message or cut is read, once, and a refusal given again from the kept answers shares it."""
+    import autopar.planner.stage_dp as dp
+    rng = np.random.default_rng(7)
+    t, w, a, c = random_instance(rng, 10)
+    searched = []
+    real = dp._min_peak
+
+    def counted(*args):
+        searched.append(1)
+        return real(*args)
+    monkeypatch.setattr(dp, "_min_peak", counted)
+    need = min_peak_memory(t, w, a, c, p=2, m=4, v=2, schedule="Interleaved1F1B")[0]
+    searched.clear()
+    with pytest.raises(dp.BudgetMissed) as e:
+        cut_stages(t, w, a, c, p=2, m=4, v=2, schedule="Interleaved1F1B", memory_budget=need * 0.9)
+    assert searched == []
+    assert "per rank" in str(e.value) and len(e.value.least) == 4 and searched == [1]
+    with pytest.raises(dp.BudgetMissed) as again:
+        cut_stages(t, w, a, c, p=2, m=4, v=2, schedule="Interleaved1F1B", memory_budget=need * 0.9)
+    assert str(again.value) == str(e.value) and searched == [1]
