@@ -236,7 +236,9 @@ class RowFloors:
                     each += collective_time("all_reduce", 8, mesh.cp, req.device, inter)
             for o in offloads:
                 offload = o != "none"
-                fixed.append(dp + sum(update_terms(shard, mesh, req.device, z, self.wc > 0, offload=offload)))
+                # the device's part alone: a partial offload's host may hide behind the kept units'
+                # AdamW or the next step (``cost_model.offload.update_split``), so its exposure floors at 0
+                fixed.append(dp + update_terms(shard, mesh, req.device, z, self.wc > 0, offload=offload)[0])
                 per_microbatch.append(each)
                 per = state_bytes(z, state_shards(mesh, z, self.wc, offload), self.wc, offload)
                 one.append(shard * (per.weights + per.optimizer + (per.grads if per.buffered else 0.0)))
