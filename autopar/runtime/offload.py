@@ -298,6 +298,10 @@ class Offload:
         opt = self.armed
         if not (self.overlap and self.units and opt is not None and opt.host_inner is not None):
             return False
+        if self.stepped:   # a second update of the masters before opt.step() would step them twice
+            raise RuntimeError("train_step ran again before opt.step(), but the host already updated its units in "
+                               "the last backward; call opt.step() between steps, or set pm.offload_overlap = False "
+                               "to add up gradients over several train_step calls")
         self.settle()
         opt.sync_groups()
         self.host.pull_changed()

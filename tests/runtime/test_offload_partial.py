@@ -186,6 +186,10 @@ def _bad(rank, world):
         pm.clip_grad_norm_(1.0)
     except RuntimeError as e:
         out["clip"] = str(e)
+    try:
+        pm.train_step(*inputs)
+    except RuntimeError as e:
+        out["again"] = str(e)
     opt.step()
     pm.offload_overlap = False
     opt.zero_grad()
@@ -209,6 +213,7 @@ def test_bad_input_is_named():
     assert "plan.offload_kept ['transformer.h.7']: the model has no unit transformer.h.7" in out["unknown"]
     assert "its units are embedding, transformer.h.0, transformer.h.1, head" in out["unknown"]
     assert "pm.offload_overlap = False" in out["clip"]
+    assert "train_step ran again before opt.step()" in out["again"]
     assert out["norm"] > 1e-3 and out["stepped"]   # after the backward, the clip comes first
     assert "cannot start in the backward" in out["overlap"]
 
