@@ -1,11 +1,23 @@
 """Shared helpers for parity tests: the reference run and the parallel run on gloo ranks."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import autopar
 from autopar.compare import train_curve
+from autopar.cost_model.devices import get_device
 from autopar.examples.gpt import GPTConfig, GPT, example_inputs
+
+# links nearly free, so the solver shards everything it can (on real links a tiny model stays replicated)
+FREE_LINKS = dataclasses.replace(get_device("h100"), intra_node_bw=1e15, inter_node_bw=1e15,
+                                 intra_node_latency=0.0, inter_node_latency=0.0, collective_fits=())
+# a model this small costs a few collective launches per op on free links alone: slow compute a
+# millionfold so that dividing it pays, and the run shards (and communicates) all it can
+SLOW_COMPUTE = dataclasses.replace(FREE_LINKS, peak_flops={k: v * 1e-6 for k, v in FREE_LINKS.peak_flops.items()},
+                                   mem_bandwidth=FREE_LINKS.mem_bandwidth * 1e-6,
+                                   fused_bandwidth=FREE_LINKS.fused_bandwidth * 1e-6)
 
 TINY = GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_embd=32)
 BATCH, SEQ = 4, 12

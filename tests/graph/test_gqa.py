@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.cost_model.devices import get_device
+from parity import FREE_LINKS, SLOW_COMPUTE
 import pool
 from parity import unsharded
 
@@ -128,9 +128,6 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
-# links nearly free, so the solver shards everything it can (on real links a tiny model stays replicated)
-FREE_LINKS = dataclasses.replace(get_device("h100"), intra_node_bw=1e15, inter_node_bw=1e15,
-                                 intra_node_latency=0.0, inter_node_latency=0.0, collective_fits=())
 REPEAT_OPS = {"aten.repeat_interleave.self_int", "aten.expand.default"}
 
 
@@ -268,11 +265,6 @@ def test_no_rule_warning_is_said_once_per_planning():
 
 RUN_CFG = Config()
 BATCH = 4
-# a model this small costs a few collective launches per op on free links alone: slow compute a
-# millionfold so that dividing it pays, and the run shards (and communicates) all it can
-SLOW_COMPUTE = dataclasses.replace(FREE_LINKS, peak_flops={k: v * 1e-6 for k, v in FREE_LINKS.peak_flops.items()},
-                                   mem_bandwidth=FREE_LINKS.mem_bandwidth * 1e-6,
-                                   fused_bandwidth=FREE_LINKS.fused_bandwidth * 1e-6)
 RUNS = {"interleave": dict(repeat="interleave"), "expand": dict(repeat="expand"),
         "interleave-sp": dict(repeat="interleave", sequence_parallel=True)}
 

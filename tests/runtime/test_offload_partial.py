@@ -14,7 +14,7 @@ import autopar
 import pool
 from autopar.checkpoint import load_checkpoint, save_checkpoint
 from autopar.examples.gpt import example_inputs
-from parity import SEQ, TINY, make_model
+from parity import SEQ, SLOW_COMPUTE, TINY, make_model
 
 STEPS, LR, BATCH = 10, 1e-3, 8
 # Weights after the steps, element by element: one whose gradient is rounding noise (the key bias's,
@@ -40,10 +40,13 @@ def _groups(named):
 def _parallel(mesh, zero, kept=KEPT, delay=0, compile=False, offload="optimizer"):
     model = make_model()
     inputs = example_inputs(TINY, BATCH, SEQ)
-    plan = autopar.plan(model, mesh, inputs, zero=zero, offload=offload, device="cpu")
+    plan = autopar.plan(model, mesh, inputs, zero=zero, offload=offload, device=SLOW_COMPUTE)
+    if mesh[2] > 1:   # the parity below is of a tp split, not of a replicated model
+        assert any(p.local_shape != p.shape for p in plan.parameters), "tp shards nothing"
     if offload != "none":
         plan = dataclasses.replace(plan, offload_kept=kept, offload_delay=delay)
-    return autopar.parallelize(model, mesh=mesh, example_inputs=inputs, plan=plan, compile=compile, device="cpu")
+    return autopar.parallelize(model, mesh=mesh, example_inputs=inputs, plan=plan, compile=compile,
+                               device=SLOW_COMPUTE)
 
 
 def _one(rank, world, mesh, zero, name, compile, delay):
