@@ -34,9 +34,12 @@ def lower(gm: torch.fx.GraphModule, compile, *, regather: bool = False, order=No
     # gathered weight: ZeRO-2's memory)
     named = compile is True or compile == "inductor" or compile in MODES
     options = {"joint_custom_pre_pass": RegatherInBackward()} if named and regather else None
-    if named:
-        backend = torch._TorchCompileInductorWrapper(compile if compile in MODES else None, options, None)
+    mode = compile if compile in MODES else None
+    if named and (options or order is not None):   # torch.compile takes a mode or options, not both
+        backend = torch._TorchCompileInductorWrapper(mode, options, None)
         return torch.compile(gm, backend=order.wrap(backend) if order is not None else backend)
+    if named:
+        return torch.compile(gm, mode=mode)
     if order is not None and uses_inductor(compile):
         return torch.compile(gm, backend=order.wrap(compile))
     return torch.compile(gm, backend=compile)
