@@ -43,7 +43,7 @@ def _whole(cap, strategies, mesh, nodes, regions, zero, microbatches, offload=Fa
     nodes = tuple(nodes)
     mine = tuple(tuple(r) for r in regions if r and r[0] in set(nodes))
     read = memory.strategies_of(strategies, memory.read_nodes(nodes, mine))
-    return memory._stage_terms(cap, strategies, mesh, nodes, mine, zero, microbatches, 0.5, offload, (), read)
+    return memory._stage_terms(cap, strategies, mesh, nodes, mine, zero, microbatches, 0.5, offload, (), (), read)
 
 
 def test_twin_ops_share_their_strategy_objects(planned):
