@@ -100,19 +100,33 @@ slowest stage so far T*) is pruned when
     of [b, n) in S - s stages, DP), fills the ranks that still get stages;
   - a relaxation is infeasible: every remaining stage q on its own gets the full remaining
     capacity of its rank, min((best - (p-1) TB)/m - R_r, (best - m L)/(p-1)) seconds (boundary costs
-    dropped) and M - mem_r bytes; greedy furthest reach decides this relaxation exactly.
+    dropped) and M - mem_r bytes; greedy furthest reach decides this relaxation exactly;
+  - the counting bounds, for whole units. Stage 0 holds unit 0 and stage S - 1 unit n - 1, so both
+    go onto their ranks first; every other remaining stage holds at least one of the units between
+    (each at least tq = min t seconds and wq + f(q) aq bytes, wq and aq the least w and a among
+    them, and each stage after the first costs at least cq = min c to enter). The K units still free
+    are then given out whole: rank r can take at most k_r = floor((M - mem'_r) / (wq + fq_r aq))
+    of them by memory (fq_r the fewest microbatches in flight among r's stages to come; the node is
+    infeasible if sum k_r < K), and the busiest rank's work is at least
+        min over integers 0 <= j_r <= k_r, sum j_r = K, of max_r (R'_r + j_r tq)
+    (``_count_level``: the water level, then the bins' next multiples of tq, smallest first). For
+    GPT-like models, whose blocks are equal, the fluid bound L leaves up to one block in R/tq open
+    (7% at 80 blocks on 8 ranks x 2 chunks); this bound closes it, and searches that stopped at
+    SEARCH_LIMIT complete. The least-memory search bounds the same way, the free units spread as
+    a fluid at wq + fq_r aq bytes each (``_rate_level``).
 Children are visited in increasing LB order; states reached twice (values rounded to 1e-12 of the
-totals) are skipped. The incumbent starts from three cuts -- the v = 1 sweep and min-sum DP without
+totals) are skipped, and so are bounds within 1e-9 (relative) of the best cut: the rounding slack of
+the bounds must not keep a search open that has met its bound. The incumbent starts from three cuts -- the v = 1 sweep and min-sum DP without
 memory (balanced stage times) and the per-stage min-max memory DP -- each improved by hill climbing
-(shift a run of consecutive cut positions by 1 or 2 units while the score improves).
+(shift a run of consecutive cut positions by 1 or 2 units while the score improves) unless one
+already meets the root's bound.
 
 The search stops after SEARCH_LIMIT partial cuts priced (about a second) and returns the best cut
-found; StageCut.gap then holds the proven bound (best - smallest unexplored LB) / best. The bound is
-loose: on 12 GPT-like instances (identical blocks, heavier embedding and head; 32 and 98 units,
-p x v = 2x4, 4x4, 8x2; min step and min memory) the cuts returned equalled the best a MILP solver
-found in 20 s (scipy/HiGHS; optimal where it proved it, 7 of 12), while the 98-unit searches
-stopped with gap between 0.6% and 37%. The 32-unit ones and random 100-unit, p x v = 4x2 searches
-without a budget complete. For v = 1 the search is always exact and gap = 0.
+found; StageCut.gap then holds the proven bound (best - smallest unexplored LB) / best. Planning
+Llama 3.1 70B on 64 H100s (bench/published.py's nemo-70b-64 row, mesh="auto") runs 66 of these
+searches: before the counting bounds 59 stopped at the limit (gaps of 3-7% without a binding
+budget, up to 60% with one); with them 3 do, each under a binding memory budget with a gap of
+about 5%. For v = 1 the search is always exact and gap = 0.
 
 Infeasible budget: the smallest achievable per-rank peak, min over cuts of max_r mem_r, is computed
 (a min-max DP for v = 1, the same branch and bound with max_r mem_r as objective for v > 1) and
@@ -132,6 +146,7 @@ __all__ = ["SCHEDULES", "StageCut", "BudgetMissed", "cut_stages", "evaluate_cut"
            "inflight_microbatches", "min_peak_memory", "SEARCH_LIMIT"]
 
 _MEM_RTOL = 1e-9
+_BB_RTOL = 1e-9      # the branch and bound drops cuts that would beat the best by less than this
 SEARCH_LIMIT = 100_000
 _GIB = float(2 ** 30)
 
@@ -366,6 +381,48 @@ def _water_level(vals, work):
     return vs[-1]
 
 
+def _count_level(loads, count, quantum, caps=None):
+    """Smallest L such that ``count`` items of size >= ``quantum`` can be given to bins already
+    holding ``loads``, bin i taking at most caps[i] (None: no cap), with no bin above L: min over
+    integers 0 <= k_i <= caps_i, sum k_i = count, of max_i(loads_i + k_i quantum), less 1e-9 quantum
+    so that rounding never overshoots (inf if the caps cannot hold count).
+    Without caps: at the water level Lw of count * quantum each bin below Lw holds
+    floor((Lw - load_i) / quantum) items; every further item raises one of those bins to its next
+    multiple, the smallest first. With caps: a bin that would take more than its cap at that level
+    takes its cap (it would at any higher level too) and leaves the level to the others."""
+    top = max(loads)
+    bins = list(zip(loads, caps if caps is not None else [math.inf] * len(loads)))
+    while count > 0 and bins:
+        xs = [x for x, _ in bins]
+        level = _water_level(xs, count * quantum)
+        steps = [math.floor((level - x) / quantum + 1e-9) if x <= level else 0 for x in xs]
+        need = count - sum(steps)
+        if need > 0:
+            nxt = sorted(x + (k + 1) * quantum for x, k in zip(xs, steps) if x <= level)
+            level = nxt[min(need, len(nxt)) - 1]
+        taken = [math.floor((level - x) / quantum + 1e-9) if x <= level else 0 for x in xs]
+        over = [k > c for (_, c), k in zip(bins, taken)]
+        if not any(over):
+            return max(top, level - 1e-9 * quantum)
+        count -= sum(c for (_, c), o in zip(bins, over) if o)
+        bins = [bin_ for bin_, o in zip(bins, over) if not o]
+    return top if count <= 0 else math.inf
+
+
+def _rate_level(loads, units, count):
+    """Smallest L with sum_i max(0, L - loads_i) / units_i >= count (units_i > 0): bins that take
+    items of size units_i, filled as a fluid, less 1e-9 of the smallest unit for rounding."""
+    order = sorted(range(len(loads)), key=loads.__getitem__)
+    num = den = 0.0
+    for k, i in enumerate(order):
+        num += loads[i] / units[i]
+        den += 1.0 / units[i]
+        level = (count + num) / den
+        if k + 1 == len(order) or level <= loads[order[k + 1]]:
+            return level - 1e-9 * min(units)
+    return level
+
+
 def _suffix_tables(seg, n, S, combine):
     """tab[b][k]: best value over cuts of units [b, n) into k stages; combine(seg, rest)."""
     inf = math.inf
@@ -412,6 +469,29 @@ class _BB:
             G, nxt, row = self.G[q], self.mm[q + 1], self.mm[q]
             for b in range(q, self.last[q]):
                 row[b] = min((G[e] - G[b] + nxt[e] for e in range(b + 1, self.last[q] + 1)), default=inf)
+        # the counting bound (module doc): units 1..n-2 at least tq[e] seconds and mq[e] bytes each
+        # from unit e on; every stage after the first pays at least cq[e] to enter; stage 0 always
+        # holds unit 0 and stage S - 1 unit n - 1, so those two are placed before the rest is counted
+        inner = range(1, n - 1)
+        self.tq, self.wq, self.aq, self.cq = ([math.inf] * (n + 1) for _ in range(4))
+        for e in range(n - 1, -1, -1):
+            u = e if e in inner else None
+            self.tq[e] = min(self.tq[e + 1], float(t[u]) if u is not None else math.inf)
+            self.wq[e] = min(self.wq[e + 1], float(w[u]) if u is not None else math.inf)
+            self.aq[e] = min(self.aq[e + 1], float(a[u]) if u is not None else math.inf)
+            self.cq[e] = min(self.cq[e + 1], self.cb[e] if 1 <= e <= n - 1 else math.inf)
+        self.fixed_t = (float(t[0]), float(t[n - 1]))
+        self.fixed_m = (float(w[0] + self.f[0] * a[0]), float(w[n - 1] + self.f[S - 1] * a[n - 1]))
+        self.entries = [[sum(1 for q in range(max(s, 1), S) if q % p == r) for r in range(p)]
+                        for s in range(S + 1)]
+        # forced[s][r]: rank r's stages among s..S-1 that hold neither the first nor the last unit
+        # (each takes one of the others); forced_f[s][r]: their microbatches in flight, summed
+        held = [[q for q in range(max(s, 1), S - 1) if q % p == r] for s in range(S + 1) for r in range(p)]
+        self.forced = [[len(held[s * p + r]) for r in range(p)] for s in range(S + 1)]
+        self.forced_f = [[sum(self.f[q] for q in held[s * p + r]) for r in range(p)] for s in range(S + 1)]
+        # fq[s][r]: the fewest microbatches in flight among rank r's stages s..S-1 (inf: none left)
+        self.fq = [[min((self.f[q] for q in range(s, S) if q % p == r), default=math.inf) for r in range(p)]
+                   for s in range(S + 1)]
         if mode == "time":
             self.tb = _suffix_tables(self.seg_t, n, S, max)
             self.ms = _suffix_tables(self.seg_t, n, S, lambda x, y: x + y)
@@ -419,6 +499,7 @@ class _BB:
         self.t_eps = 1e-12 * max(self.P[n] + sum(self.cb), 1e-300)
         self.m_eps = 1e-12 * max(self.W[n] + max(self.f) * self.A[n], 1e-300)
         self.best = math.inf
+        self.bar = math.inf                    # a bound at or above this cannot beat best (_BB_RTOL)
         self.best_cut = None
         self.nodes = 0
         self.work = 0                          # partial cuts priced
@@ -444,6 +525,7 @@ class _BB:
         val = self.m * max(R) + (self.p - 1) * mt if self.mode == "time" else max(M)
         if val < self.best:
             self.best, self.best_cut = val, tuple(bounds)
+            self.bar = val * (1.0 - _BB_RTOL)
 
     def reachable(self, s, e, capt, capm):
         """Relaxation: can stages s..S-1 cover [e, n) if stage q may use up to capt[r(q)] seconds
@@ -463,6 +545,63 @@ class _BB:
             b = hi
         return b == n
 
+    def _counted(self, s, e, loads, timed):
+        """(the open ranks' loads, units left to give out) once every unit that must land on a known
+        rank is there: the first unit (stage 0) if e = 0, the last (stage S - 1), and one of the
+        others (at least tq[e] seconds, or wq[e] + f(q) aq[e] bytes) in each other stage q >= s;
+        for time, each stage entered also costs at least cq[e]."""
+        x = list(loads)
+        fixed = self.fixed_t if timed else self.fixed_m
+        if e == 0:
+            x[0] += fixed[0]
+        x[(self.S - 1) % self.p] += fixed[1]
+        count = self.n - 1 - max(e, 1)
+        if count > 0:
+            if timed:
+                x = [xr + k * self.cq[e] + j * self.tq[e]
+                     for xr, k, j in zip(x, self.entries[s], self.forced[s])]
+            else:
+                x = [xr + j * self.wq[e] + fs * self.aq[e]
+                     for xr, j, fs in zip(x, self.forced[s], self.forced_f[s])]
+            count -= sum(self.forced[s])
+        return [x[r] for r in self.open[s]], count
+
+    def time_counted(self, s, e, R, caps=None):
+        """The counting bound on the busiest rank's work: the units still free to move, each at
+        least tq[e] seconds, given out whole (at most caps[i] to the i-th open rank, where memory
+        limits them)."""
+        x, count = self._counted(s, e, R, True)
+        if count <= 0:
+            return max(x)
+        return _count_level(x, count, self.tq[e], caps)
+
+    def memory_caps(self, s, e, M, cap):
+        """How many of the units still free to move each open rank can take without exceeding cap
+        bytes (on rank r each takes at least wq + fq[s][r] aq: its fewest microbatches in flight
+        among r's stages to come), in open[s]'s order; None when they cannot all be placed: no
+        completion fits cap."""
+        x, count = self._counted(s, e, M, False)
+        if max(x) > cap:
+            return None
+        if count <= 0 or cap == math.inf:
+            return [max(count, 0)] * len(x)
+        caps = []
+        for r, xr in zip(self.open[s], x):
+            unit = self.wq[e] + self.fq[s][r] * self.aq[e]
+            caps.append(count if unit <= 0 else min(count, math.floor((cap - xr) / unit + 1e-9)))
+        return caps if sum(caps) >= count else None
+
+    def memory_level(self, s, e, M):
+        """A lower bound on the fullest open rank's final memory: the units still free to move
+        spread as a fluid, rank r's at wq + fq[s][r] aq bytes each."""
+        x, count = self._counted(s, e, M, False)
+        if count <= 0:
+            return max(x)
+        units = [self.wq[e] + self.fq[s][r] * self.aq[e] for r in self.open[s]]
+        if min(units) <= 0:
+            return max(x)
+        return max(max(x), _rate_level(x, units, count))
+
     def bound(self, s, e, R, M, mt):
         """Lower bound after stages 0..s-1 (the last ends at unit e); inf if ruled out."""
         p, k = self.p, self.S - s
@@ -471,21 +610,28 @@ class _BB:
         openr, every = self.open[s], self.all_open[s]
         rem_mem = self.mm[s][e]
         if self.mode == "memory":
-            lb = max(max(M), _water_level(M if every else [M[r] for r in openr], rem_mem))
-            if lb >= self.best:
+            lb = max(max(M), _water_level(M if every else [M[r] for r in openr], rem_mem),
+                     self.memory_level(s, e, M))
+            if lb >= self.bar:
                 return lb
+            if self.memory_caps(s, e, M, self.best) is None:
+                return math.inf
             if self.best < math.inf and not self.reachable(s, e, None, [self.best - x for x in M]):
                 return math.inf
             return lb
-        capm = None
+        capm = caps = None
         if self.budget is not None:
             if rem_mem > sum(self.budget - M[r] for r in openr):
                 return math.inf
+            caps = self.memory_caps(s, e, M, self.budget)
+            if caps is None:
+                return math.inf
             capm = [self.budget - x for x in M]
-        lr = max(max(R), _water_level(R if every else [R[r] for r in openr], self.ms[e][k]))
+        lr = max(max(R), _water_level(R if every else [R[r] for r in openr], self.ms[e][k]),
+                 self.time_counted(s, e, R, caps))
         bt = max(mt, self.tb[e][k])
         lb = self.m * lr + (p - 1) * bt
-        if lb >= self.best:
+        if lb >= self.bar:
             return lb
         capt = None
         if self.best < math.inf:
@@ -532,11 +678,11 @@ class _BB:
             M2 = M.copy(); M2[r] = mm
             mt2 = mt if mt >= x else x
             lb = self.bound(s + 1, e, R2, M2, mt2)
-            if lb < self.best:
+            if lb < self.bar:
                 kids.append((lb, e, R2, M2, mt2))
         kids.sort(key=lambda k: (k[0], k[1]))
         for lb, e, R2, M2, mt2 in kids:
-            if lb >= self.best:
+            if lb >= self.bar:
                 break
             self.path.append((b, e))
             self.dfs(s + 1, e, R2, M2, mt2)
@@ -598,13 +744,17 @@ class _BB:
         return tuple(zip(edges[:-1], edges[1:]))
 
     def run(self, seeds=()):
+        """The best cut (None if none fits), from the seeds, hill-climbed unless one already meets
+        the root's bound, then the branch and bound."""
+        seeds = [cut for cut in seeds if cut is not None]
         for cut in seeds:
-            if cut is not None:
-                self.offer(cut)
-                self.offer(self.improve(cut))
+            self.offer(cut)
         zero = [0.0] * self.p
+        if self.bound(0, 0, zero, zero, 0.0) < self.bar:
+            for cut in seeds:
+                self.offer(self.improve(cut))
         root = self.bound(0, 0, zero, zero, 0.0)
-        if root < self.best:
+        if root < self.bar:
             self.path = []
             self.dfs(0, 0, list(zero), list(zero), 0.0)
         return self.best_cut

@@ -240,3 +240,70 @@ def test_a_refusal_searches_its_least_memory_cut_only_once_asked(monkeypatch):
     with pytest.raises(dp.BudgetMissed) as again:
         cut_stages(t, w, a, c, p=2, m=4, v=2, schedule="Interleaved1F1B", memory_budget=need * 0.9)
     assert str(again.value) == str(e.value) and searched == [1]
+
+
+def gpt_like_instance(rng, n):
+    """An embedding (little time, much memory), n - 2 equal blocks (the first a little slower, as a
+    block that builds a rotary table) and a head: the shape where whole units decide the optimum."""
+    blk_t, blk_w, blk_a = rng.uniform(0.5, 1.5), rng.uniform(1.0, 3.0) * 1e6, rng.uniform(0.2, 2.0) * 1e5
+    t = np.full(n, blk_t)
+    w = np.full(n, blk_w)
+    a = np.full(n, blk_a)
+    t[0], w[0], a[0] = 0.01 * blk_t, rng.uniform(1.0, 4.0) * blk_w, 0.1 * blk_a
+    t[1] *= 1.01
+    t[-1], w[-1], a[-1] = rng.uniform(0.5, 2.0) * blk_t, rng.uniform(1.0, 4.0) * blk_w, rng.uniform(0.5, 3.0) * blk_a
+    c = np.full(n - 1, rng.uniform(0.0, 0.1) * blk_t)
+    return t, w, a, c
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_interleaved_gpt_like_matches_brute_force(seed):
+    """The counting bounds (whole equal units, one per stage, memory caps per rank) are exact here:
+    a bound too high would prune the optimum."""
+    rng = np.random.default_rng(300 + seed)
+    solved = 0
+    for _ in range(12):
+        p, v = [(2, 2), (2, 3), (3, 2), (1, 3)][int(rng.integers(0, 4))]
+        n = int(rng.integers(p * v, 13))
+        m = int(rng.choice([1, 3, 4, 8]))
+        schedule = VN_SCHEDULES[int(rng.integers(0, 2))]
+        inst = gpt_like_instance(rng, n)
+        for budget in (None, binding_budget(inst, rng, p=p, m=m, v=v, schedule=schedule)):
+            solved += compare(inst, p=p, m=m, v=v, schedule=schedule, budget=budget)
+        want = brute(inst, p=p, m=m, v=v, schedule=schedule)[1]
+        assert min_peak_memory(*inst, p=p, m=m, v=v, schedule=schedule)[0] == pytest.approx(want, rel=1e-12)
+    assert solved >= 18
+
+
+def test_count_level_against_enumeration():
+    from autopar.planner.stage_dp import _count_level
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        k = int(rng.integers(1, 5))
+        loads = [float(x) for x in rng.uniform(0, 3, k)]
+        if rng.random() < 0.3:
+            loads = [float(round(x)) for x in loads]          # ties on the grid
+        count, q = int(rng.integers(1, 7)), float(rng.choice([0.5, 1.0, 0.7]))
+        caps = None if rng.random() < 0.5 else [int(x) for x in rng.integers(0, 5, k)]
+        best = math.inf
+        for ks in itertools.product(range(count + 1), repeat=k):
+            if sum(ks) == count and (caps is None or all(x <= c for x, c in zip(ks, caps))):
+                best = min(best, max(x + j * q for x, j in zip(loads, ks)))
+        got = _count_level(loads, count, q, caps)
+        if best == math.inf:
+            assert got == math.inf
+        else:
+            assert got <= best and got == pytest.approx(best, abs=1e-6), (loads, count, q, caps)
+
+
+def test_gpt_like_interleaved_search_completes():
+    """82 units (Llama 70B's 80 blocks), 8 ranks x 2 chunks: the fluid bounds left the whole-unit gap
+    of a block in ten open and the search stopped at SEARCH_LIMIT; the counting bound closes it."""
+    rng = np.random.default_rng(1)
+    t, w, a, c = gpt_like_instance(rng, 82)
+    for p, v, m in [(8, 2, 32), (4, 3, 64), (4, 5, 64)]:
+        cut = cut_stages(t, w, a, c, p=p, m=m, v=v, schedule="Interleaved1F1B")
+        assert cut.gap == 0.0, (p, v, m)
+        budget = 1.02 * min_peak_memory(t, w, a, c, p=p, m=m, v=v, schedule="Interleaved1F1B")[0]
+        tight = cut_stages(t, w, a, c, p=p, m=m, v=v, schedule="Interleaved1F1B", memory_budget=budget)
+        assert max(tight.rank_memory) <= budget * (1 + 1e-9) and tight.step_time >= cut.step_time
