@@ -56,7 +56,11 @@ not exact where the stage cut moves with v). Each planned variant is a row of it
 A variant (and a count of fewer microbatches, above) is also skipped where its step floor
 (``bound``: ``planner.floors``, the least step any plan of that layout can have, whatever its ZeRO
 stage, offload, recompute, strategies and stage cut) is no faster than that fastest row: it cannot
-be faster and fit.
+be faster and fit. So is a whole mesh, where the floor of each of its schedules is: it becomes one
+row marked not planned (``MeshOption.planned``), which the table counts in a line, and the first
+schedule planned is the first whose floor passes. Floors cost a few milliseconds once a tp's op
+times are read; planning a 70B candidate costs a tenth of a second to seconds, and on Llama 3.1
+70B over 64 GPUs (``bench/published.py``'s nemo-70b-64) half the candidates are ruled out so.
 """
 from __future__ import annotations
 
@@ -90,6 +94,7 @@ class MeshOption:
     terms: dict | None = None   # the step time's terms (``StepTerms.as_dict``, seconds)
     schedule: str = "1F1B"
     virtual: int = 1         # pipeline stages per pp rank
+    planned: bool = True     # False: its step floor ruled it out before it was planned (``_variants``)
 
 
 # the step's terms a row shows (``cost_model.terms.StepTerms``), and their column heads
@@ -219,8 +224,10 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
                 for o in list(rows):
                     rows += _fewer_microbatches(o, price, memory_budget, out + rows, bound)
                 out += rows
-                if any(o.fits and not _pays_for_memory(o) for o in rows) or (
-                        not any(o.fits for o in rows) and any(o.fits for o in out if (o.mesh.pp, o.mesh.tp) == (pp, tp))):
+                planned = [o for o in rows if o.planned]   # a row its floor ruled out says nothing of the next cp
+                if any(o.fits and not _pays_for_memory(o) for o in planned) or (
+                        planned and not any(o.fits for o in planned)
+                        and any(o.fits for o in out if (o.mesh.pp, o.mesh.tp) == (pp, tp))):
                     break   # the rise of cp stops (module docstring)
     if not out:
         raise PlanError(f"no (dp, pp, tp) for {world_size} devices suits this model and a batch of {batch}")
@@ -271,10 +278,21 @@ def _pays_for_memory(o: MeshOption) -> bool:
 
 def _variants(mesh: Mesh, m: int, price, memory_budget: float, ranked: list[MeshOption], schedules,
               bound=None) -> list[MeshOption]:
-    """The rows of ``mesh`` at ``m`` microbatches: the first of ``schedules`` planned, then each other
-    one while the first's step less its bubble is below the fastest fitting step among ``ranked``
-    and these rows (the module docstring's bound), but those whose step floor (``bound``) is not
-    below it, and until a fitting variant is no faster than the fitting one before it."""
+    """The rows of ``mesh`` at ``m`` microbatches: the first of ``schedules`` whose step floor
+    (``bound``) is below the fastest fitting step among ``ranked`` planned, then each other one
+    while the first's step less its bubble is below the fastest fitting step among ``ranked`` and
+    these rows (the module docstring's bound), but those whose step floor is not below it, and
+    until a fitting variant is no faster than the fitting one before it. Where every schedule's
+    floor rules it out, one row that was not planned (``planned=False``) stands for the mesh."""
+    if bound is not None:
+        best = min((o.step_time for o in ranked if o.fits), default=math.inf)
+        floors = [bound(mesh, m, *sched).step for sched in schedules]
+        if min(floors) >= best:
+            return [MeshOption(mesh, m, math.inf, math.inf, False,
+                               f"not planned: its step floor {min(floors) * 1e3:.3f} ms is no faster than "
+                               f"the fastest fitting row's {best * 1e3:.3f} ms", schedule=schedules[0][0],
+                               virtual=schedules[0][1], planned=False)]
+        schedules = schedules[next(i for i, f in enumerate(floors) if f < best):]
     first, *others = schedules
     rows = [_priced(mesh, m, price, memory_budget, *first)]
     base = rows[0]
@@ -334,6 +352,8 @@ def ranking_table(options: list[MeshOption], limit: int = 12, context: str = "")
             f"{'offload':>9s} {'step ms':>11s} " + " ".join(f"{_HEADS.get(t, t):>10s}" for t in TERMS)
             + f" {'peak GiB':>9s}  fits")
     lines = [head]
+    unplanned = [o for o in options if not o.planned]
+    options = [o for o in options if o.planned]
     for k, o in enumerate(options[:limit]):
         step = f"{o.step_time * 1e3:11.3f}" if np.isfinite(o.step_time) else f"{'-':>11s}"
         peak = f"{o.peak_memory / 2**30:9.3f}" if np.isfinite(o.peak_memory) else f"{'-':>9s}"
@@ -343,6 +363,9 @@ def ranking_table(options: list[MeshOption], limit: int = 12, context: str = "")
                      f"{recompute:>9s} {offload:>9s} {step} {terms} {peak}  {'yes' if o.fits else 'no'}")
     if len(options) > limit:
         lines.append(f"      ... and {len(options) - limit} more")
+    if unplanned:
+        lines.append(f"      {len(unplanned)} more not planned: each one's step floor (planner.floors) was no faster "
+                     "than the fastest fitting row ranked before it")
     lines.append("      (times in ms; zero k: units kept gathered; recompute auto: regions chosen; "
                  "dp: what prefetch leaves exposed; host: the offloaded optimizer step" + ("; (dp, pp, cpC, tp): sequences split over C ranks)"
                                                         if any(o.mesh.cp > 1 for o in options) else ")"))
@@ -379,7 +402,11 @@ def _cp_reason(best: MeshOption, options: list[MeshOption]) -> str:
     none took the batch (a larger dp needs more sequences)."""
     if best.mesh.cp == 1:
         return ""
-    less = [o for o in options if (o.mesh.pp, o.mesh.tp) == (best.mesh.pp, best.mesh.tp) and o.mesh.cp < best.mesh.cp]
+    same = [o for o in options if (o.mesh.pp, o.mesh.tp) == (best.mesh.pp, best.mesh.tp) and o.mesh.cp < best.mesh.cp]
+    less = [o for o in same if o.planned]
+    if len(less) < len(same):   # a floor ruled them out: they cannot be faster, whatever they fit
+        return f"; less cp at pp={best.mesh.pp}, tp={best.mesh.tp} cannot be faster (its step floor)"
+
     fitting = [o for o in less if o.fits]
     if fitting:
         rows = ", ".join(f"{mesh_name(o.mesh)} {o.step_time * 1e3:.3f} ms" for o in fitting)

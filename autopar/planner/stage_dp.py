@@ -100,7 +100,8 @@ slowest stage so far T*) is pruned when
     of [b, n) in S - s stages, DP), fills the ranks that still get stages;
   - a relaxation is infeasible: every remaining stage q on its own gets the full remaining
     capacity of its rank, min((best - (p-1) TB)/m - R_r, (best - m L)/(p-1)) seconds (boundary costs
-    dropped) and M - mem_r bytes; greedy furthest reach decides this relaxation exactly;
+    dropped) and M - mem_r bytes; greedy furthest reach decides this relaxation where every stage
+    can take the unit it is left, else the set of ends each stage can reach, stage by stage;
   - the counting bounds, for whole units. Stage 0 holds unit 0 and stage S - 1 unit n - 1, so both
     go onto their ranks first; every other remaining stage holds at least one of the units between
     (each at least tq = min t seconds and wq + f(q) aq bytes, wq and aq the least w and a among
@@ -113,20 +114,34 @@ slowest stage so far T*) is pruned when
     GPT-like models, whose blocks are equal, the fluid bound L leaves up to one block in R/tq open
     (7% at 80 blocks on 8 ranks x 2 chunks); this bound closes it, and searches that stopped at
     SEARCH_LIMIT complete. The least-memory search bounds the same way, the free units spread as
-    a fluid at wq + fq_r aq bytes each (``_rate_level``).
+    a fluid at wq + fq_r aq bytes each (``_rate_level``);
+  - under a budget, the slowest stage memory forces. If the busiest rank's work is L, rank r takes
+    at most j_r(L) = min(k_r, floor((L - R'_r) / tq)) free units, so rank r holds at least
+    need_r(L) = K - sum_{r' != r} j_r'(L); its stages to come hold them at wq + f(q) aq bytes each
+    within its headroom, and the fewest-in-flight-first fill gives the least Y for which at most Y
+    per stage fits: one of its stages runs at least its base + Y tq (``stage_floor``). The bound
+    is then min over L >= the work bound above of m L + (p - 1) max(T*, TB, that stage), tried at
+    the work bound and at each L where some j_r steps up, while m L alone stays below the best so
+    far (``step_floor``). Interleaved pipelines hold the most microbatches on their first ranks,
+    so those take few units and the last ranks' cheap chunks grow long: the bubble term, not the
+    work term, is what the fluid bounds missed there.
 Children are visited in increasing LB order; states reached twice (values rounded to 1e-12 of the
 totals) are skipped, and so are bounds within 1e-9 (relative) of the best cut: the rounding slack of
-the bounds must not keep a search open that has met its bound. The incumbent starts from three cuts -- the v = 1 sweep and min-sum DP without
-memory (balanced stage times) and the per-stage min-max memory DP -- each improved by hill climbing
-(shift a run of consecutive cut positions by 1 or 2 units while the score improves) unless one
-already meets the root's bound.
+the bounds must not keep a search open that has met its bound. The incumbent starts from three
+cuts -- the v = 1 sweep and min-sum DP without memory (balanced stage times) and the per-stage
+min-max memory DP. A search not settled after FIRST_LOOK partial cuts hill-climbs them and its
+best cut (shift a run of consecutive cut positions by 1 or 2 units while the score improves) and
+searches again from the root with that incumbent: most searches settle in the first look, where
+climbing first cost more than the search, and the rest reach their optimum sooner from a climbed
+incumbent.
 
-The search stops after SEARCH_LIMIT partial cuts priced (about a second) and returns the best cut
-found; StageCut.gap then holds the proven bound (best - smallest unexplored LB) / best. Planning
-Llama 3.1 70B on 64 H100s (bench/published.py's nemo-70b-64 row, mesh="auto") runs 66 of these
-searches: before the counting bounds 59 stopped at the limit (gaps of 3-7% without a binding
-budget, up to 60% with one); with them 3 do, each under a binding memory budget with a gap of
-about 5%. For v = 1 the search is always exact and gap = 0.
+The search stops after SEARCH_LIMIT partial cuts priced in all (about a second) and returns the
+best cut found; StageCut.gap then holds the proven bound (best - smallest unexplored LB) / best.
+Planning Llama 3.1 70B on 64 H100s (bench/published.py's nemo-70b-64 row, mesh="auto") ran 66 of
+these searches: before the counting bounds 59 stopped at the limit (gaps of 3-7% without a binding
+budget, up to 60% with one); with them 3 did, each under a binding memory budget with a gap of
+about 5%; with the memory-forced stage floor none does. For v = 1 the search is always exact and
+gap = 0.
 
 Infeasible budget: the smallest achievable per-rank peak, min over cuts of max_r mem_r, is computed
 (a min-max DP for v = 1, the same branch and bound with max_r mem_r as objective for v > 1) and
@@ -135,7 +150,7 @@ reported in the ValueError.
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,6 +163,7 @@ __all__ = ["SCHEDULES", "StageCut", "BudgetMissed", "cut_stages", "evaluate_cut"
 _MEM_RTOL = 1e-9
 _BB_RTOL = 1e-9      # the branch and bound drops cuts that would beat the best by less than this
 SEARCH_LIMIT = 100_000
+FIRST_LOOK = 2_000   # partial cuts priced before the incumbent is hill-climbed (``_BB.run``)
 _GIB = float(2 ** 30)
 
 
@@ -423,22 +439,20 @@ def _rate_level(loads, units, count):
     return level
 
 
-def _suffix_tables(seg, n, S, combine):
-    """tab[b][k]: best value over cuts of units [b, n) into k stages; combine(seg, rest)."""
-    inf = math.inf
-    tab = [[inf] * (S + 1) for _ in range(n + 1)]
-    tab[n][0] = 0.0
+def _suffix_tables(P, cb, S):
+    """(tb, ms): tb[b][k] the least slowest stage and ms[b][k] the least sum of stage times over cuts
+    of units [b, n) into k stages, stage [b, e) taking P[e] - P[b] + cb[b] (a DP over k, each step
+    one numpy min over the stage's end)."""
+    n = len(P) - 1
+    ends = np.arange(n + 1)
+    seg = np.asarray(P)[None, :] - np.asarray(P)[:, None] + np.asarray(cb)[:n + 1, None]   # seg[b, e]
+    seg[ends[None, :] <= ends[:, None]] = np.inf   # a stage holds at least one unit
+    tb, ms = np.full((S + 1, n + 1), np.inf), np.full((S + 1, n + 1), np.inf)
+    tb[0, n] = ms[0, n] = 0.0
     for k in range(1, S + 1):
-        for b in range(n - k, -1, -1):
-            best = inf
-            for e in range(b + 1, n - k + 2):
-                r = tab[e][k - 1]
-                if r < inf:
-                    x = combine(seg(b, e), r)
-                    if x < best:
-                        best = x
-            tab[b][k] = best
-    return tab
+        tb[k] = np.min(np.maximum(seg, tb[k - 1][None, :]), axis=1)
+        ms[k] = np.min(seg + ms[k - 1][None, :], axis=1)
+    return tb.T.tolist(), ms.T.tolist()
 
 
 class _BB:
@@ -493,8 +507,7 @@ class _BB:
         self.fq = [[min((self.f[q] for q in range(s, S) if q % p == r), default=math.inf) for r in range(p)]
                    for s in range(S + 1)]
         if mode == "time":
-            self.tb = _suffix_tables(self.seg_t, n, S, max)
-            self.ms = _suffix_tables(self.seg_t, n, S, lambda x, y: x + y)
+            self.tb, self.ms = _suffix_tables(self.P, self.cb, S)
         # slack for the relaxations (prefix-sum rounding) and quanta for recognising repeated states
         self.t_eps = 1e-12 * max(self.P[n] + sum(self.cb), 1e-300)
         self.m_eps = 1e-12 * max(self.W[n] + max(self.f) * self.A[n], 1e-300)
@@ -530,20 +543,50 @@ class _BB:
     def reachable(self, s, e, capt, capm):
         """Relaxation: can stages s..S-1 cover [e, n) if stage q may use up to capt[r(q)] seconds
         (boundary costs left out) and capm[r(q)] bytes each (a rank's stages not sharing)? Greedy
-        furthest reach is exact for this relaxation, so False proves the node infeasible."""
-        p, n, b = self.p, self.n, e
+        furthest reach answers it when every stage may take any unit, and it is tried first; where a
+        stage could not take the unit the greedy leaves it, a shorter reach before may have spared it
+        that unit, so a False is checked over every end each stage can reach (``_covers``)."""
+        p, b = self.p, e
         for q in range(s, self.S):
-            r = q % p
-            hi = self.last[q]
-            if capt is not None:
-                hi = min(hi, bisect_right(self.P, self.P[b] + capt[r] + self.t_eps, b, hi + 1) - 1)
-            if capm is not None:
-                G = self.G[q]
-                hi = min(hi, bisect_right(G, G[b] + capm[r] + self.m_eps, b, hi + 1) - 1)
+            hi = self._reach(q, b, capt, capm)
             if hi <= b:
-                return False
+                return self._covers(s, e, capt, capm)
             b = hi
-        return b == n
+        return b == self.n
+
+    def _reach(self, q, b, capt, capm):
+        """The furthest end stage q, starting at unit b, may reach within its rank's caps and the
+        units the later stages need."""
+        r, hi = q % self.p, self.last[q]
+        if capt is not None:
+            hi = min(hi, bisect_right(self.P, self.P[b] + capt[r] + self.t_eps, b, hi + 1) - 1)
+        if capm is not None:
+            G = self.G[q]
+            hi = min(hi, bisect_right(G, G[b] + capm[r] + self.m_eps, b, hi + 1) - 1)
+        return hi
+
+    def _covers(self, s, e, capt, capm):
+        """``reachable`` exactly: the set of ends each stage can reach, stage by stage; end x is
+        reachable by stage q if some end b < x of the stages before is at least the first start
+        from which [b, x) is within q's caps (both caps fall as the start moves right)."""
+        ends = [e]
+        for q in range(s, self.S):
+            r, G = q % self.p, self.G[q]
+            nxt, i, below = [], 0, -1
+            for x in range(ends[0] + 1, self.last[q] + 1):
+                while i < len(ends) and ends[i] < x:
+                    below, i = ends[i], i + 1
+                start = 0
+                if capt is not None:
+                    start = bisect_left(self.P, self.P[x] - capt[r] - self.t_eps, 0, x)
+                if capm is not None:
+                    start = max(start, bisect_left(G, G[x] - capm[r] - self.m_eps, 0, x))
+                if below >= start:
+                    nxt.append(x)
+            if not nxt:
+                return False
+            ends = nxt
+        return ends[-1] == self.n
 
     def _counted(self, s, e, loads, timed):
         """(the open ranks' loads, units left to give out) once every unit that must land on a known
@@ -602,6 +645,67 @@ class _BB:
             return max(x)
         return max(max(x), _rate_level(x, units, count))
 
+    def stage_floor(self, s, e, M, caps):
+        """A lower bound on the slowest stage that memory forces: the free units the other open ranks
+        cannot take (``caps``, in open[s]'s order) land on rank r, need_r = count - sum of the others'
+        caps; r's stages to come hold them at wq + f(q) aq bytes each within r's headroom, so the
+        fullest of them holds at least the least Y for which giving up to Y to each, fewest
+        microbatches in flight first, fits; it then runs at least Y tq seconds beyond the least base
+        of r's stages (tq + cq for one holding a unit of the others, the last unit's t + cq for
+        stage S - 1, the first unit's t for stage 0)."""
+        x, count = self._counted(s, e, M, False)
+        if count <= 0:
+            return 0.0
+        total, tq, aq, wq, S, p = sum(caps), self.tq[e], self.aq[e], self.wq[e], self.S, self.p
+        best = 0.0
+        for i, r in enumerate(self.open[s]):
+            need = count - (total - caps[i])
+            if need <= 0:
+                continue
+            stages = range(s + (r - s) % p, S, p)
+            costs = sorted(wq + self.f[q] * aq for q in stages)
+            room = self.budget - x[i]
+            lo, hi = -(-need // len(costs)), need
+            while lo < hi:   # the least Y whose cheapest-first fill of need units fits room
+                mid = (lo + hi) // 2
+                left, used = need, 0.0
+                for cost in costs:
+                    take = min(mid, left)
+                    used += take * cost
+                    left -= take
+                if used <= room:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            base = min((self.fixed_t[1] if q == S - 1 else tq if q else self.fixed_t[0]) + (self.cq[e] if q else 0.0)
+                       for q in stages)
+            best = max(best, base + lo * tq)
+        return best
+
+    def step_floor(self, s, e, R, M, caps, lr, bt):
+        """The least m L + (p - 1) max(bt, slowest stage) over the busiest rank's work L >= lr: at work
+        L, rank r takes at most floor((L - R'_r) / tq) of the free units besides its memory cap, so
+        the others leave more to each rank and ``stage_floor`` rises as L falls. The minimum is at lr
+        or where some rank's time cap steps up, tried in order while m L alone stays below it."""
+        m, p = self.m, self.p
+        x, count = self._counted(s, e, R, True)
+        tq = self.tq[e]
+
+        def at(level):
+            timed = [min(c, max(0, math.floor((level - xr) / tq + 1e-9))) for c, xr in zip(caps, x)]
+            return m * level + (p - 1) * max(bt, self.stage_floor(s, e, M, timed))
+        best = at(lr)
+        if count <= 0 or tq <= 0:
+            return best
+        steps = [max(0, math.floor((lr - xr) / tq + 1e-9)) + 1 for xr in x]
+        while True:
+            i = min(range(len(x)), key=lambda j: x[j] + steps[j] * tq)
+            level = x[i] + steps[i] * tq
+            if m * level + (p - 1) * bt >= best or steps[i] > caps[i]:
+                return best
+            best = min(best, at(level))
+            steps[i] += 1
+
     def bound(self, s, e, R, M, mt):
         """Lower bound after stages 0..s-1 (the last ends at unit e); inf if ruled out."""
         p, k = self.p, self.S - s
@@ -631,6 +735,8 @@ class _BB:
                  self.time_counted(s, e, R, caps))
         bt = max(mt, self.tb[e][k])
         lb = self.m * lr + (p - 1) * bt
+        if caps is not None and p > 1 and lb < self.bar:
+            lb = self.step_floor(s, e, R, M, caps, lr, bt)
         if lb >= self.bar:
             return lb
         capt = None
@@ -652,7 +758,7 @@ class _BB:
             self.offer(self.path)
             return
         self.nodes += 1
-        if self.work > SEARCH_LIMIT:
+        if self.work > self.limit:
             self.complete = False
             return
         key = self.key(s, b, R, M, mt)
@@ -744,20 +850,30 @@ class _BB:
         return tuple(zip(edges[:-1], edges[1:]))
 
     def run(self, seeds=()):
-        """The best cut (None if none fits), from the seeds, hill-climbed unless one already meets
-        the root's bound, then the branch and bound."""
+        """The best cut (None if none fits): the branch and bound from the seeds for FIRST_LOOK partial
+        cuts; if that does not settle it, the seeds and the best cut found hill-climbed, and the
+        search again from the start with that incumbent, up to SEARCH_LIMIT (most searches finish
+        in the first look, where climbing would cost more than the search; the rest find their
+        optimum sooner from a climbed incumbent)."""
         seeds = [cut for cut in seeds if cut is not None]
         for cut in seeds:
             self.offer(cut)
+        self._search(FIRST_LOOK)
+        if not self.complete:
+            for cut in [*seeds, self.best_cut]:
+                if cut is not None:
+                    self.offer(self.improve(cut))
+            self.complete, self.seen, self.open_lb = True, set(), math.inf
+            self._search(SEARCH_LIMIT)
+        return self.best_cut
+
+    def _search(self, limit):
+        """The depth-first search from the root, stopping once ``limit`` partial cuts are priced."""
+        self.limit = limit
         zero = [0.0] * self.p
         if self.bound(0, 0, zero, zero, 0.0) < self.bar:
-            for cut in seeds:
-                self.offer(self.improve(cut))
-        root = self.bound(0, 0, zero, zero, 0.0)
-        if root < self.bar:
             self.path = []
             self.dfs(0, 0, list(zero), list(zero), 0.0)
-        return self.best_cut
 
     def gap(self):
         """Proven relative gap of the best cut (0 when the search completed)."""
@@ -769,7 +885,7 @@ class _BB:
 
 
 def _seeds_v(pre, p, m, v, f):
-    """Cuts to start the branch and bound from (each is also hill-climbed): the v = 1-style sweep
+    """Cuts to start the branch and bound from (hill-climbed if the first look does not settle it): the v = 1-style sweep
     and the min-sum DP without memory (balanced stage times), and the per-stage min-max memory DP."""
     S = p * v
     base = _stage_masks(pre, [1] * S, None)

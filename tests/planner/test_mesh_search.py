@@ -50,17 +50,43 @@ def _printed(plan):
     return f"{plan.predicted_step_time * 1e3:.3f}", f"{max(m.peak for m in plan.memory) / 2**30:.3f}"
 
 
+# a budget the plain dp plan misses: the fastest fitting rows come late in the search, so the step
+# floors leave several meshes to plan (with room, the first row wins and rules the others out)
+TIGHT = "300MiB"
+
+
 def test_each_ranked_row_is_the_plan_of_its_mesh():
     model = build("gpt2", device="meta", n_layer=4)
     inputs = example_inputs(model.config, 16, 512, device="meta")
-    chosen = autopar.plan(model, "auto", inputs, world_size=16)
+    chosen = autopar.plan(model, "auto", inputs, world_size=16, memory_budget=TIGHT)
     rows = _rows(_table(chosen))
     assert len(rows) > 3 and {pp for (_, pp, _), *_ in rows} >= {1, 2}   # both kinds of step are ranked
     mesh, m, step, peak = rows[0]
     assert (mesh, m) == (tuple(chosen.mesh), chosen.microbatches)
     assert (step, peak) == _printed(chosen)
-    for (mesh, m, step, peak), knobs in list(zip(rows, _schedules(_table(chosen))))[1:4]:
-        assert (step, peak) == _printed(autopar.plan(model, mesh, inputs, microbatches=m, **knobs)), mesh
+    fitting = [(row, knobs) for row, knobs, fits in zip(rows, _schedules(_table(chosen)), _fits(_table(chosen)))
+               if fits]
+    assert len(fitting) >= 3
+    for (mesh, m, step, peak), knobs in fitting[1:4]:
+        again = autopar.plan(model, mesh, inputs, microbatches=m, memory_budget=TIGHT, **knobs)
+        assert (step, peak) == _printed(again), mesh
+
+
+def _fits(note: str) -> list[bool]:
+    """Whether each ranked row (``_rows``' order) fits."""
+    return [m[11] == "yes" for m in map(ROW.match, note.splitlines()) if m]
+
+
+def test_a_mesh_its_floor_rules_out_is_counted_not_planned():
+    """With room the first row planned, dp over every device, is the fastest: each other mesh's step
+    floor is no faster, so it is not planned, and the table counts it in one line."""
+    model, inputs = _gpt2()
+    chosen = autopar.plan(model, "auto", inputs, world_size=16)
+    table = _table(chosen)
+    planned = [line for line in table.splitlines() if re.match(r"^\s*\d+\s+\(", line)]   # cp rows too
+    skipped = int(re.search(r"(\d+) more not planned: each one's step floor", table)[1])
+    total = int(re.search(r"among (\d+) candidates", table)[1])
+    assert _rows(table)[0][0] == (16, 1, 1) and skipped > 0 and len(planned) + skipped == total
 
 
 def _gpt2():
@@ -70,7 +96,7 @@ def _gpt2():
 
 def test_each_row_shows_the_choices_and_the_terms_of_its_step():
     model, inputs = _gpt2()
-    chosen = autopar.plan(model, "auto", inputs, world_size=16, zero="auto")
+    chosen = autopar.plan(model, "auto", inputs, world_size=16, zero="auto", memory_budget=TIGHT)
     table = _table(chosen)
     rows = [m for m in map(ROW.match, table.splitlines()) if m]
     assert len(rows) > 3
@@ -137,13 +163,14 @@ HSDP_ROW = re.compile(r"^\s*\d+\s+\((\d+)x(\d+), (\d+), (\d+)\)\s+(?:-|GPipe|1F1
 
 def test_a_dp_across_nodes_is_ranked_split_as_hsdp_too():
     model, inputs = _gpt2()
-    chosen = autopar.plan(model, "auto", inputs, world_size=16, zero="auto", gpus_per_node=8)
+    budget = "512MiB"   # one the plain dp plans miss, so that the floors leave both splits to plan
+    chosen = autopar.plan(model, "auto", inputs, world_size=16, zero="auto", gpus_per_node=8, memory_budget=budget)
     rows = [m for m in map(HSDP_ROW.match, _table(chosen).splitlines()) if m]
     # dp_shard = the dp ranks of one node: (16,1,1) -> 2 x 8, (8,1,2) -> 2 x 4, (4,2,2) -> 2 x 2
     assert {(int(m[1]), int(m[2]), int(m[3]), int(m[4])) for m in rows} >= {(2, 8, 1, 1), (2, 4, 1, 2)}
     r, s, pp, tp, mb, zero = (int(rows[0][k]) for k in range(1, 7))
     mesh = {"dp_replicate": r, "dp_shard": s, "pp": pp, "tp": tp}
-    alone = autopar.plan(model, mesh, inputs, zero=zero, microbatches=mb, gpus_per_node=8)
+    alone = autopar.plan(model, mesh, inputs, zero=zero, microbatches=mb, gpus_per_node=8, memory_budget=budget)
     assert (rows[0][9], rows[0][11]) == _printed(alone)   # the row is the plan of its HSDP mesh
     # without ZeRO nothing shards over dp_shard: no split is ranked
     plain = autopar.plan(model, "auto", inputs, world_size=16, zero=0, gpus_per_node=8)

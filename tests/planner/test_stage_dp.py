@@ -307,3 +307,37 @@ def test_gpt_like_interleaved_search_completes():
         budget = 1.02 * min_peak_memory(t, w, a, c, p=p, m=m, v=v, schedule="Interleaved1F1B")[0]
         tight = cut_stages(t, w, a, c, p=p, m=m, v=v, schedule="Interleaved1F1B", memory_budget=budget)
         assert max(tight.rank_memory) <= budget * (1 + 1e-9) and tight.step_time >= cut.step_time
+
+
+def test_memory_bound_interleaved_search_completes():
+    """Llama 70B's 80 blocks on 8 ranks x 2 chunks at 64 microbatches under an 80 GiB budget: the first
+    ranks hold 15, 13, ... microbatches in flight and take few blocks, so the last ranks' cheap
+    chunks must take many, and their slowest stage is what the step pays in its bubble. Without the
+    memory-forced stage floor the search stopped at SEARCH_LIMIT with a 5% gap."""
+    gib, blk_t = 2.0 ** 30, 0.038
+    t = np.full(82, blk_t)
+    w = np.full(82, 3.188 * gib)
+    a = np.full(82, 0.692 * gib)
+    t[0], w[0], a[0] = 0.0004, 3.914 * gib, 0.0
+    t[-1], w[-1], a[-1] = 0.0356, 3.914 * gib, 0.583 * gib
+    c = np.full(81, 1e-4)
+    for v in (2, 3):
+        cut = cut_stages(t, w, a, c, p=8, m=64, v=v, schedule="Interleaved1F1B", memory_budget=80 * gib)
+        assert cut.gap == 0.0, v
+        assert max(cut.rank_memory) <= 80 * gib * (1 + 1e-9)
+        sizes = [e - b for b, e in cut.bounds]
+        assert max(sizes) > 2 * 82 / (8 * v)   # memory, not time, sets the slowest stage
+
+
+def test_a_stage_that_cannot_take_the_next_unit_does_not_prune_the_optimum():
+    """Under a budget the first rank (more microbatches in flight) cannot hold unit 8 in its last
+    chunk; the greedy furthest reach of the stages before leaves it exactly that unit, so the
+    relaxation must look at shorter reaches before it rules a partial cut out (it pruned the
+    optimum here, 54.66 against the 59.50 it returned)."""
+    t = np.array([1.920327, 0.891641, 0.992171, 0.61737, 1.216221, 0.489781, 1.115754, 1.818235, 1.061747, 1.671469])
+    w = np.array([537578.401806, 2650552.846957, 369574.883443, 638584.73311, 2160715.837993, 905964.696395,
+                  356737.684938, 260388.608639, 2379895.591216, 59297.350824])
+    a = np.array([11268.651687, 189104.213144, 156430.036342, 74086.982647, 38475.038979, 173435.767464,
+                  157529.075348, 133703.936132, 106076.802496, 105053.598201])
+    c = np.array([0.195588, 0.104458, 0.016806, 0.014959, 0.119111, 0.146536, 0.125648, 0.148564, 0.058839])
+    compare((t, w, a, c), p=2, m=8, v=4, schedule="InterleavedZeroBubble", budget=6437619.028779358)
