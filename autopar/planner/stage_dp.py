@@ -546,7 +546,7 @@ class _BB:
         furthest reach answers it when every stage may take any unit, and it is tried first; where a
         stage could not take the unit the greedy leaves it, a shorter reach before may have spared it
         that unit, so a False is checked over every end each stage can reach (``_covers``)."""
-        p, b = self.p, e
+        b = e
         for q in range(s, self.S):
             hi = self._reach(q, b, capt, capm)
             if hi <= b:
