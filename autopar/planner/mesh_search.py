@@ -29,8 +29,9 @@ larger cp also swaps dp's gradient sync for cp's, and the cost model prices a cp
 whole sequence's matmul efficiency (``cost_model.context``), so a larger cp that the rule does not
 plan can be priced faster; planning every cp is complete but cost over 100 s for a 70B model on
 64 GPUs. A cp whose dp the batch does not divide is skipped as a dp would be. Rows with cp > 1
-name the mesh (dp, pp, cpC, tp). A cp the model refuses is traced once and not ranked; the table
-says so in one line with the reason (``rank_meshes``' context).
+name the mesh (dp, pp, cpC, tp). A cp the model refuses is traced once, when a mesh of it is to be
+planned (one its step floor rules out is not traced), and not ranked; the table says so in one
+line with the reason (``rank_meshes``' context).
 
 Microbatches: every mesh is planned at one sequence per microbatch (one capture serves them all;
 with pipeline stages the recipes' micro-batch 1, the least bubble). Without pipeline stages fewer,
@@ -210,17 +211,19 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
                 m = batch // (dp * microbatch_size)
                 if pp > 1 and m < pp:
                     continue
-                if cp > 1:
-                    if cp not in refused:   # traced once per cp: a refusal is the same on every mesh
+                plain = Mesh(dp, pp, tp, cp=cp)
+                split = hsdp_split(plain, gpus_per_node) if hsdp else None
+                meshes = (plain, split) if split else (plain,)
+                schedules = schedule_options(pp, len(units), m, schedule, virtual)
+                if cp > 1 and not (bound is not None and all(_ruled_out(mesh, m, schedules, bound, out)[0]
+                                                             for mesh in meshes)):
+                    if cp not in refused:   # traced once per cp (a refusal is the same on every mesh), if planned
                         refused[cp] = allows_context(cap, cp)
                     if refused[cp]:
                         continue
-                plain = Mesh(dp, pp, tp, cp=cp)
-                split = hsdp_split(plain, gpus_per_node) if hsdp else None
                 rows = []
-                for mesh in (plain, split) if split else (plain,):
-                    rows += _variants(mesh, m, price, memory_budget, out + rows,
-                                      schedule_options(pp, len(units), m, schedule, virtual), bound)
+                for mesh in meshes:
+                    rows += _variants(mesh, m, price, memory_budget, out + rows, schedules, bound)
                 for o in list(rows):
                     rows += _fewer_microbatches(o, price, memory_budget, out + rows, bound)
                 out += rows
@@ -285,14 +288,10 @@ def _variants(mesh: Mesh, m: int, price, memory_budget: float, ranked: list[Mesh
     until a fitting variant is no faster than the fitting one before it. Where every schedule's
     floor rules it out, one row that was not planned (``planned=False``) stands for the mesh."""
     if bound is not None:
-        best = min((o.step_time for o in ranked if o.fits), default=math.inf)
-        floors = [bound(mesh, m, *sched).step for sched in schedules]
-        if min(floors) >= best:
-            return [MeshOption(mesh, m, math.inf, math.inf, False,
-                               f"not planned: its step floor {min(floors) * 1e3:.3f} ms is no faster than "
-                               f"the fastest fitting row's {best * 1e3:.3f} ms", schedule=schedules[0][0],
-                               virtual=schedules[0][1], planned=False)]
-        schedules = schedules[next(i for i, f in enumerate(floors) if f < best):]
+        ruled, first = _ruled_out(mesh, m, schedules, bound, ranked)
+        if ruled:
+            return [ruled]
+        schedules = schedules[first:]
     first, *others = schedules
     rows = [_priced(mesh, m, price, memory_budget, *first)]
     base = rows[0]
@@ -309,6 +308,21 @@ def _variants(mesh: Mesh, m: int, price, memory_budget: float, ranked: list[Mesh
         if len(rows) > 2 and rows[-1].fits and rows[-2].fits and rows[-1].step_time >= rows[-2].step_time:
             break   # v past its best: its bubble falls as 1/v while its cuts' point-to-point grows with v
     return rows
+
+
+def _ruled_out(mesh: Mesh, m: int, schedules, bound, ranked: list[MeshOption]) -> tuple[MeshOption | None, int]:
+    """(the row not planned that stands for ``mesh`` at ``m`` microbatches where the step floor of each
+    of its ``schedules`` is no faster than the fastest fitting row among ``ranked``, else None; the
+    index of the first schedule whose floor is below it)."""
+    best = min((o.step_time for o in ranked if o.fits), default=math.inf)
+    floors = [bound(mesh, m, *sched).step for sched in schedules]
+    passing = [i for i, f in enumerate(floors) if f < best]
+    if passing:
+        return None, passing[0]
+    return MeshOption(mesh, m, math.inf, math.inf, False,
+                      f"not planned: its step floor {min(floors) * 1e3:.3f} ms is no faster than the fastest "
+                      f"fitting row's {best * 1e3:.3f} ms", schedule=schedules[0][0], virtual=schedules[0][1],
+                      planned=False), len(schedules)
 
 
 def _priced(mesh: Mesh, m: int, price, memory_budget: float, schedule: str, virtual: int) -> MeshOption:
