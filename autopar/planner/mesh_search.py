@@ -59,12 +59,16 @@ A variant (and a count of fewer microbatches, above) is also skipped where its s
 stage, offload, recompute, strategies and stage cut) is no faster than that fastest row: it cannot
 be faster and fit. So is a whole mesh, where the floor of each of its schedules is: it becomes one
 row marked not planned (``MeshOption.planned``), which the table counts in a line, and the first
-schedule planned is the first whose floor passes. Floors cost a few milliseconds once a tp's op
-times are read; planning a 70B candidate costs a tenth of a second to seconds, and on Llama 3.1
-70B over 64 GPUs (``bench/published.py``'s nemo-70b-64) half the candidates are ruled out so.
+schedule planned is the first whose floor passes. The layouts are taken best first, least floor
+first (each (pp, tp)'s next cp joins once the rise of cp above allows it), so that the fastest
+fitting rows come early and rule the most out. Floors cost milliseconds once a tp's op times are
+read; planning a 70B candidate costs a tenth of a second to seconds. On Llama 3.1 70B over 64 GPUs
+(``bench/published.py``'s nemo-70b-64) the search plans 30 of 87 candidates and the rest
+are ruled out so.
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -187,13 +191,14 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
     it is planned (tp divides the heads, pp at most the layer units, the model allows cp); ``memory_budget``: bytes per
     device; ``hsdp``: also rank each multi-node dp split as HSDP (``hsdp_split``);
     ``sequence_parallel``: the knob (True asks each cp rank's tokens to split over tp); ``bound(mesh,
-    microbatches, schedule, virtual)``: a layout's floors (``planner.floors.Floor``), for the variants
-    and counts of fewer microbatches it skips (module docstring), none where not given."""
+    microbatches, schedule, virtual)``: a layout's floors (``planner.floors.Floor``), for the order the
+    layouts are planned in and the meshes, variants and counts of fewer microbatches it skips
+    (module docstring); without it, every layout in (tp, pp, cp) order."""
     first = example_inputs[0]
     batch, seq = first.shape[0], first.shape[1] if first.dim() > 1 else None   # cp splits dim 1, the sequence
     cap = capture(tuple(x[:microbatch_size] for x in example_inputs))
     units = layer_units(cap)
-    out, refused = [], {}
+    ladders = []   # per (tp, pp): its layouts by rising cp, each (cp, meshes, microbatches, schedules)
     for tp in (t for t in divisors(world_size) if t <= gpus_per_node):
         try:
             check_tp(cap, tp)
@@ -204,6 +209,7 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
                 continue
             data = world_size // (tp * pp)   # dp * cp: the ranks that split the tokens
             cps = context_sizes(seq, data, tp=tp, sequence_parallel=sequence_parallel)[0] if seq else []
+            steps = []
             for cp in (1, *cps):
                 dp = data // cp
                 if batch % (dp * microbatch_size):
@@ -213,25 +219,40 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
                     continue
                 plain = Mesh(dp, pp, tp, cp=cp)
                 split = hsdp_split(plain, gpus_per_node) if hsdp else None
-                meshes = (plain, split) if split else (plain,)
-                schedules = schedule_options(pp, len(units), m, schedule, virtual)
-                if cp > 1 and not (bound is not None and all(_ruled_out(mesh, m, schedules, bound, out)[0]
-                                                             for mesh in meshes)):
-                    if cp not in refused:   # traced once per cp (a refusal is the same on every mesh), if planned
-                        refused[cp] = allows_context(cap, cp)
-                    if refused[cp]:
-                        continue
-                rows = []
-                for mesh in meshes:
-                    rows += _variants(mesh, m, price, memory_budget, out + rows, schedules, bound)
-                for o in list(rows):
-                    rows += _fewer_microbatches(o, price, memory_budget, out + rows, bound)
-                out += rows
-                planned = [o for o in rows if o.planned]   # a row its floor ruled out says nothing of the next cp
-                if any(o.fits and not _pays_for_memory(o) for o in planned) or (
-                        planned and not any(o.fits for o in planned)
-                        and any(o.fits for o in out if (o.mesh.pp, o.mesh.tp) == (pp, tp))):
-                    break   # the rise of cp stops (module docstring)
+                steps.append((cp, (plain, split) if split else (plain,), m,
+                              schedule_options(pp, len(units), m, schedule, virtual)))
+            if steps:
+                ladders.append(steps)
+    out, refused = [], {}
+
+    def floor_of(step) -> float:
+        _, meshes, m, schedules = step
+        return min(bound(mesh, m, *sched).step for mesh in meshes for sched in schedules) if bound else 0.0
+    queue = [(floor_of(steps[0]), k, 0) for k, steps in enumerate(ladders)]
+    heapq.heapify(queue)
+    while queue:   # best first: the least floor, so the fastest fitting rows come early and rule out the rest
+        _, k, i = heapq.heappop(queue)
+        cp, meshes, m, schedules = ladders[k][i]
+        pp, tp = meshes[0].pp, meshes[0].tp
+        if cp > 1 and not (bound is not None and all(_ruled_out(mesh, m, schedules, bound, out)[0] for mesh in meshes)):
+            if cp not in refused:   # traced once per cp (a refusal is the same on every mesh), if planned
+                refused[cp] = allows_context(cap, cp)
+        if cp > 1 and refused.get(cp):
+            rows = []
+        else:
+            rows = []
+            for mesh in meshes:
+                rows += _variants(mesh, m, price, memory_budget, out + rows, schedules, bound)
+            for o in list(rows):
+                rows += _fewer_microbatches(o, price, memory_budget, out + rows, bound)
+        out += rows
+        planned = [o for o in rows if o.planned]   # a row its floor ruled out says nothing of the next cp
+        if any(o.fits and not _pays_for_memory(o) for o in planned) or (
+                planned and not any(o.fits for o in planned)
+                and any(o.fits for o in out if (o.mesh.pp, o.mesh.tp) == (pp, tp))):
+            continue   # the rise of cp stops (module docstring)
+        if i + 1 < len(ladders[k]):
+            heapq.heappush(queue, (floor_of(ladders[k][i + 1]), k, i + 1))
     if not out:
         raise PlanError(f"no (dp, pp, tp) for {world_size} devices suits this model and a batch of {batch}")
     out.sort(key=lambda o: (not o.fits, o.step_time, o.peak_memory))

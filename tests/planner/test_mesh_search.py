@@ -191,12 +191,17 @@ def _cp_rows(plan):
 
 def test_a_batch_smaller_than_the_world_ranks_cp_rows_each_the_plan_of_its_mesh():
     """One 1,024-token sequence on 4 devices: dp cannot use them, so each (pp, tp) splits the sequence
-    over the least cp the batch allows; every cp row is the plan of its mesh, cp's collectives its own term."""
+    over the least cp the batch allows; every cp row planned is the plan of its mesh, cp's collectives
+    its own term."""
     model = build("gpt2", device="meta", n_layer=4)
     inputs = example_inputs(model.config, 1, 1024, device="meta")
     chosen = autopar.plan(model, "auto", inputs, world_size=4)
     rows = _cp_rows(chosen)
-    assert {mesh for mesh, *_ in rows} == {(1, 1, 2, 2), (1, 1, 4, 1)}, _table(chosen)
+    # (1, 1, cp4, 1), if not planned, is ruled out by its step floor: counted, with no figures
+    assert {mesh for mesh, *_ in rows} in ({(1, 1, 2, 2), (1, 1, 4, 1)}, {(1, 1, 2, 2)}), _table(chosen)
+    skipped = re.search(r"(\d+) more not planned", _table(chosen))
+    total = int(re.search(r"among (\d+) candidates", _table(chosen))[1])
+    assert len(rows) + (int(skipped[1]) if skipped else 0) == total
     for (dp, pp, cp, tp), m, step, peak, terms in rows:
         alone = autopar.plan(model, {"dp": dp, "pp": pp, "cp": cp, "tp": tp}, inputs, microbatches=m)
         assert (step, peak) == _printed(alone), (dp, pp, cp, tp)
