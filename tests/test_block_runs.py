@@ -132,8 +132,14 @@ def test_recompute_nothing_is_answered_without_the_solver_only_where_it_is_the_o
     from autopar.planner.recompute import block_modes
 
     mems = ((10.0, 6.0, 1.0), (10.0, 6.0, 1.0))
+
+    def figures(costs, choice):
+        return sum(c[i] for c, i in zip(costs, choice)), sum(m[i] for m, i in zip(mems, choice))
     for costs in [((0.0, 1.0, 3.0), (0.0, 2.0, 3.0)), ((0.0, 0.0, 3.0), (0.0, 2.0, 3.0))]:
         for budget in (25.0, 20.0, 19.0):
             expected = tuple(solve_strategies(list(costs), [], node_memory=list(mems), memory_budget=budget).choice)
-            assert block_modes(costs, mems, budget) == expected
+            seconds, memory = figures(costs, block_modes(costs, mems, budget))
+            assert seconds == figures(costs, expected)[0] and memory <= budget   # an optimum, as the ILP's
     assert block_modes(((0.0, 1.0, 3.0), (0.0, 2.0, 3.0)), mems, 20.0) == (0, 0)
+    # block 0's selective recompute is free: recomputing nothing ties with it, and the tie goes to less memory
+    assert block_modes(((0.0, 0.0, 3.0), (0.0, 2.0, 3.0)), mems, 25.0) == (1, 0)

@@ -4,7 +4,9 @@ A mode's regions (``regions_for``): none; Megatron's selective recompute, each b
 core; full, each block's ops. ``recompute="auto"`` picks per block none / selective / full with the
 smallest recompute time that brings every rank under the memory budget, each rank's peak the
 memory model's (``cost_model.memory``: the one sum), by an ILP over the blocks
-(``autopar.planner.ilp``), or says the smallest peak any choice reaches.
+(``autopar.planner.ilp``), or, where the blocks come in a few kinds as a GPT's do, exactly by how
+many of each kind take each mode (``_by_counts``, without the solver), or says the smallest peak
+any choice reaches.
 """
 from __future__ import annotations
 
@@ -52,10 +54,71 @@ def block_modes(costs: tuple, mems: tuple, budget: float) -> tuple[int, ...] | N
     only = _only_fit(mems, budget)
     if only is not False:
         return only
+    counted = _by_counts(costs, mems, budget)
+    if counted is not False:
+        return counted
     try:
         return tuple(solve_strategies(list(costs), [], node_memory=list(mems), memory_budget=budget).choice)
     except InfeasibleError:
         return None
+
+
+_PAIRS = 200_000   # the most pairs of two Pareto sets ``_by_counts`` merges before it leaves the question to the ILP
+
+
+def _by_counts(costs: tuple, mems: tuple, budget: float):
+    """``block_modes``' answer, exactly, where the blocks come in few kinds (a GPT's blocks share their
+    figures): within a kind only how many blocks take each mode matters, so each kind's counts are
+    priced, (memory, seconds) Pareto-pruned and merged kind by kind; the least seconds that fit,
+    then the least memory; False too where that answer is within ``_CLEAR`` of the budget, where the
+    solver's tolerances decide (as ``_only_fit``). Each kind gives its first blocks the modes that recompute most: a block's
+    recompute runs when its backward starts, and the blocks after it have freed what they kept by
+    then, so the memory model's peak (with that transient) is least so. None where nothing fits;
+    False where a merge would pass _PAIRS pairs (the ILP answers)."""
+    kinds: dict = {}
+    for k, row in enumerate(zip(costs, mems)):
+        kinds.setdefault(row, []).append(k)
+    margin = _CLEAR * (max((abs(m) for row in mems for m in row), default=0.0) or 1.0)
+    front = [(0.0, 0.0, ())]   # (memory, seconds, counts per kind), Pareto: memory up, seconds down
+    for (cost, mem), members in kinds.items():
+        options = [(sum(c * m for c, m in zip(counts, mem)), sum(c * t for c, t in zip(counts, cost)), counts)
+                   for counts in _compositions(len(members), len(cost))]
+        if len(front) * len(options) > _PAIRS:
+            return False
+        front = _pareto([(m0 + m1, t0 + t1, c0 + (c1,)) for m0, t0, c0 in front for m1, t1, c1 in options
+                         if m0 + m1 <= budget + margin])
+        if not front:
+            return None
+    clear = [x for x in front if x[0] <= budget - margin]
+    if not clear or min(x[1] for x in clear) > front[-1][1]:
+        return False   # the best is within the solver's tolerance of the budget: as the ILP answers it
+    best = min(clear, key=lambda x: (x[1], x[0]))[2]
+    modes = [0] * len(costs)
+    for members, counts in zip(kinds.values(), best):
+        it = iter(members)
+        for mode in reversed(range(len(counts))):
+            for _ in range(counts[mode]):
+                modes[next(it)] = mode
+    return tuple(modes)
+
+
+def _compositions(total: int, parts: int):
+    """Every tuple of ``parts`` counts >= 0 summing to ``total``."""
+    if parts == 1:
+        yield (total,)
+        return
+    for first in range(total + 1):
+        for rest in _compositions(total - first, parts - 1):
+            yield (first, *rest)
+
+
+def _pareto(points: list) -> list:
+    """The (memory, seconds, ...) points no other point beats in both, memory up (ties: least seconds)."""
+    out = []
+    for point in sorted(points, key=lambda x: (x[0], x[1])):
+        if not out or point[1] < out[-1][1]:
+            out.append(point)
+    return out
 
 
 # how far clear of the budget, relative to the largest figure (the ILP's scale for its memory row),

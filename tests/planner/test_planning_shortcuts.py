@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import gc
 
+import pytest
 import torch
 from torch.fx import GraphModule
 
@@ -271,3 +272,39 @@ def test_recompute_modes_the_budget_decides_alone_are_the_solvers():
             decided += _only_fit(mems, budget) is not False
             assert block_modes(costs, mems, budget) == solved
     assert decided > 30, decided
+
+
+def test_recompute_modes_by_counts_are_optimal_and_recompute_the_first_blocks():
+    """Blocks of a few kinds (a GPT's stages): the answer by counts per kind is an optimum of the
+    ILP's (its seconds, within the budget; None exactly where the ILP finds nothing), and within a
+    kind the blocks that recompute most come first."""
+    import random
+
+    from autopar.planner.ilp import InfeasibleError, solve_strategies
+    from autopar.planner.recompute import _by_counts
+
+    rng = random.Random(3)
+    answered = 0
+    for _ in range(60):
+        kinds = [((0.0, rng.uniform(0.1, 1), rng.uniform(1, 3)),
+                  (rng.uniform(5, 10) * 2**30, rng.uniform(2, 5) * 2**30, rng.uniform(0.5, 2) * 2**30))
+                 for _ in range(rng.randint(1, 3))]
+        blocks = [kinds[k] for k in sorted(rng.randrange(len(kinds)) for _ in range(rng.randint(2, 9)))]
+        costs, mems = tuple(c for c, _ in blocks), tuple(m for _, m in blocks)
+        budget = rng.uniform(sum(min(m) for m in mems), sum(m[0] for m in mems))
+        got = _by_counts(costs, mems, budget)
+        if got is False:
+            continue
+        answered += 1
+        try:
+            want = solve_strategies(list(costs), [], node_memory=list(mems), memory_budget=budget).choice
+        except InfeasibleError:
+            assert got is None
+            continue
+        assert got is not None
+        assert sum(m[i] for m, i in zip(mems, got)) <= budget
+        assert sum(c[i] for c, i in zip(costs, got)) == pytest.approx(sum(c[i] for c, i in zip(costs, want)), rel=1e-9)
+        for kind in kinds:
+            modes = [i for b, i in zip(blocks, got) if b == kind]
+            assert modes == sorted(modes, reverse=True)
+    assert answered > 40
