@@ -90,7 +90,7 @@ class MeshOption:
     step_time: float       # seconds per step (its plan's), inf when no plan fits
     peak_memory: float     # bytes on the fullest rank (its plan's), inf when no plan fits
     fits: bool
-    reason: str = ""       # why no plan fits, when none does
+    reason: object = ""    # why no plan fits, when none does: its ValueError, whose text some make when printed
     zero: int = 0
     recompute: str = "none"
     recompute_regions: int = 0
@@ -352,7 +352,7 @@ def _priced(mesh: Mesh, m: int, price, memory_budget: float, schedule: str, virt
     try:
         candidate = price(mesh, m, schedule, virtual)
     except ValueError as e:
-        return MeshOption(mesh, m, math.inf, math.inf, False, str(e), schedule=schedule, virtual=virtual)
+        return MeshOption(mesh, m, math.inf, math.inf, False, e, schedule=schedule, virtual=virtual)
     peak, c = candidate.peak_memory, candidate.choices
     return MeshOption(mesh, m, candidate.step_time, peak, peak <= memory_budget, zero=c.zero, recompute=c.recompute,
                       recompute_regions=len(c.recompute_regions), offload=c.offload,
