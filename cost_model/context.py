@@ -76,6 +76,7 @@ import math
 import torch
 from torch.fx import Node
 
+from autopar.graph.capture import graph_cached
 from autopar.graph.rules import shape
 from autopar.placement import local_shape
 
@@ -90,12 +91,16 @@ _ATTENTION_KINDS = ("all_gather", "reduce_scatter", "send_recv")
 GRADIENT_SYNC = "(all parameters)"   # where the gradient sync's record is (the whole model's parameters)
 
 
+@graph_cached
+def _sdpa(cap) -> tuple[Node, ...]:
+    """The attentions of ``cap``'s graph, once per capture (the step's cp terms read them per rank)."""
+    return tuple(n for n in cap.gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default)
+
+
 def _attentions(cap, strategies: dict[Node, object], tp: int):
     """(node, where, (K, V), element bytes) per attention of ``cap``'s graph: K and V the bytes of
     its keys and of its values over the whole sequence at this tp rank's heads."""
-    for n in cap.gm.graph.nodes:
-        if n.target is not aten.scaled_dot_product_attention.default:
-            continue
+    for n in _sdpa(cap):
         kv = []
         for slot in (1, 2):
             x = n.args[slot]

@@ -476,13 +476,15 @@ class _BB:
         self.keyed_memory = budget is not None or mode == "memory"
         self.last = [n - (S - 1 - s) for s in range(S)]
         # mm[s][e]: least total memory stages s..S-1 can have when they cover units [e, n)
-        inf = math.inf
-        self.mm = [[inf] * (n + 1) for _ in range(S + 1)]
-        self.mm[S][n] = 0.0
-        for q in range(S - 1, -1, -1):
-            G, nxt, row = self.G[q], self.mm[q + 1], self.mm[q]
-            for b in range(q, self.last[q]):
-                row[b] = min((G[e] - G[b] + nxt[e] for e in range(b + 1, self.last[q] + 1)), default=inf)
+        mm = np.full((S + 1, n + 1), np.inf)
+        mm[S, n] = 0.0
+        ends = np.arange(n + 1)
+        for q in range(S - 1, -1, -1):   # mm[q][b] = min over b < e <= last[q] of G[q][e] - G[q][b] + mm[q + 1][e]
+            G = np.asarray(self.G[q])
+            room = np.where(ends <= self.last[q], G + mm[q + 1], np.inf)
+            after = np.minimum.accumulate(room[::-1])[::-1]   # after[e]: the least of room[e:]
+            mm[q, q:self.last[q]] = after[q + 1:self.last[q] + 1] - G[q:self.last[q]]
+        self.mm = mm.tolist()
         # the counting bound (module doc): units 1..n-2 at least tq[e] seconds and mq[e] bytes each
         # from unit e on; every stage after the first pays at least cq[e] to enter; stage 0 always
         # holds unit 0 and stage S - 1 unit n - 1, so those two are placed before the rest is counted
