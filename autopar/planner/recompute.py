@@ -176,9 +176,10 @@ def choose_recompute(cap, strategies, mesh, dev, *, zero: int, budget: float, mi
     bases = memory(cap, strategies, mesh, regions=regions_for(cap, "full"), **kw)
     row = _block_rows(cap, strategies, mesh, dev, attention)
     chosen = {}
+    held = [set(nodes) for nodes in stage_nodes]
     for r in range(min(mesh.pp, len(stage_nodes))):
         mine = [(k, inflight[s]) for s in range(r, len(stage_nodes), mesh.pp)
-                for k, b in enumerate(blocks) if not set(stage_nodes[s]).isdisjoint(b)]
+                for k, b in enumerate(blocks) if not held[s].isdisjoint(b)]
         if not mine:   # no block to recompute here: the rank fits as it is or not at all
             continue
         rows = [row(k) for k, _ in mine]

@@ -127,9 +127,9 @@ slowest stage so far T*) is pruned when
     work term, is what the fluid bounds missed there.
 Children are visited in increasing LB order; states reached twice (values rounded to 1e-12 of the
 totals) are skipped, and so are bounds within 1e-9 (relative) of the best cut: the rounding slack of
-the bounds must not keep a search open that has met its bound. The incumbent starts from three
-cuts -- the v = 1 sweep and min-sum DP without memory (balanced stage times) and the per-stage
-min-max memory DP. A search not settled after FIRST_LOOK partial cuts hill-climbs them and its
+the bounds must not keep a search open that has met its bound. The incumbent starts from two
+cuts -- the min-sum DP without memory (balanced stage times) and the per-stage min-max memory DP. A
+search not settled after FIRST_LOOK partial cuts hill-climbs them and its
 best cut (shift a run of consecutive cut positions by 1 or 2 units while the score improves) and
 searches again from the root with that incumbent: most searches settle in the first look, where
 climbing first cost more than the search, and the rest reach their optimum sooner from a climbed
@@ -887,12 +887,12 @@ class _BB:
 
 
 def _seeds_v(pre, p, m, v, f):
-    """Cuts to start the branch and bound from (hill-climbed if the first look does not settle it): the v = 1-style sweep
-    and the min-sum DP without memory (balanced stage times), and the per-stage min-max memory DP."""
+    """Cuts to start the branch and bound from (hill-climbed if the first look does not settle it): the
+    min-sum DP without memory (balanced stage times) and the per-stage min-max memory DP. The v = 1
+    sweep was a third: it cost more than the searches it seeded, which complete from these."""
     S = p * v
     base = _stage_masks(pre, [1] * S, None)
-    return [_search_v1(pre, [1] * S, None, m), _dp_min_sum(base, pre.n, np.inf)[1],
-            _min_peak_v1(pre, f)[1]]
+    return [_dp_min_sum(base, pre.n, np.inf)[1], _min_peak_v1(pre, f)[1]]
 
 
 # --------------------------------------------------------------------------- public search
