@@ -36,13 +36,15 @@ line with the reason (``rank_meshes``' context).
 Microbatches: every mesh is planned at one sequence per microbatch (one capture serves them all;
 with pipeline stages the recipes' micro-batch 1, the least bubble). Without pipeline stages fewer,
 larger microbatches do the same work in larger matmuls with fewer launches and ZeRO gathers, and
-keep more activations: a mesh whose row is the fastest fitting one so far is planned again at
-each count down the divisors of its own while the last fitted (``_fewer_microbatches``; each
-sequences-per-microbatch is one capture), but a count whose step floor is no faster than the fastest
-fitting row (below). Not exact, to bound the planning time (each larger
-microbatch is a capture of its own, seconds for a 70B model): a mesh slower at one sequence per
-microbatch than the best so far may be faster at fewer, and one microbatch, which holds no
-gradients through its forward, may fit where two did not.
+keep more activations: once every layout is planned, each fitting row without pipeline stages
+within ``FEWER_WITHIN`` (10%) of the fastest fitting step, fastest first, is planned again at each
+count down the divisors of its own while the last fitted (``_fewer_microbatches``; each
+sequences-per-microbatch is one capture, seconds for a 70B model), but a count whose step floor
+is no faster than the fastest fitting row (below). After the search, not during it, so that
+which rows are tried does not depend on the order the layouts were planned in. Not exact, to
+bound the planning time: a row further from the fastest is not tried (the largest gain measured
+from fewer microbatches is 5.3%, the 70B's (64, 1, 1) from 2 to 1: BENCHMARKS.md), and one
+microbatch, which holds no gradients through its forward, may fit where two did not.
 
 Pipeline schedules (``schedule_options``): each mesh with pp > 1 is planned with the request's
 schedule and, unless the request fixes ``virtual_stages``, interleaved at every virtual stage count v
@@ -127,6 +129,7 @@ def mesh_name(mesh: Mesh) -> str:
     return f"({dp}, {mesh.pp}, {cp}{mesh.tp})"
 
 
+FEWER_WITHIN = 0.10   # rows planned at fewer microbatches: those within this of the fastest fitting step
 VIRTUAL_MAX = 8   # the most virtual stages per pp rank ranked (NVIDIA's 70B to 405B recipes use 5 to 8)
 
 
@@ -243,8 +246,6 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
             rows = []
             for mesh in meshes:
                 rows += _variants(mesh, m, price, memory_budget, out + rows, schedules, bound)
-            for o in list(rows):
-                rows += _fewer_microbatches(o, price, memory_budget, out + rows, bound)
         out += rows
         planned = [o for o in rows if o.planned]   # a row its floor ruled out says nothing of the next cp
         if any(o.fits and not _pays_for_memory(o) for o in planned) or (
@@ -253,6 +254,10 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
             continue   # the rise of cp stops (module docstring)
         if i + 1 < len(ladders[k]):
             heapq.heappush(queue, (floor_of(ladders[k][i + 1]), k, i + 1))
+    best = min((o.step_time for o in out if o.fits), default=math.inf)
+    for o in sorted((o for o in out if o.fits and o.mesh.pp == 1 and o.step_time <= best * (1 + FEWER_WITHIN)),
+                    key=lambda o: o.step_time):
+        out += _fewer_microbatches(o, price, memory_budget, out, bound)
     if not out:
         raise PlanError(f"no (dp, pp, tp) for {world_size} devices suits this model and a batch of {batch}")
     out.sort(key=lambda o: (not o.fits, o.step_time, o.peak_memory))
@@ -276,13 +281,13 @@ def _context_lines(seq, world_size: int, refused: dict) -> str:
 
 def _fewer_microbatches(o: MeshOption, price, memory_budget: float, ranked: list[MeshOption],
                         bound=None) -> list[MeshOption]:
-    """Rows of ``o``'s mesh, if it fits without pipeline stages and is the fastest fitting row so far
-    (among ``ranked``), planned at fewer, larger microbatches (module docstring): each count down the
-    divisors of its count while the last fitted, but those whose step floor (``bound``) is no faster
-    than the fastest fitting row."""
+    """Rows of ``o``'s mesh, if it fits without pipeline stages, planned at fewer, larger microbatches
+    (module docstring): each count down the divisors of its count while the last fitted, but those
+    whose step floor (``bound``) is no faster than the fastest fitting row among ``ranked`` and
+    these; without floors, only where ``o`` is that fastest row."""
     out = []
     best = min((r.step_time for r in ranked if r.fits and r is not o), default=math.inf)
-    if not (o.fits and o.mesh.pp == 1 and o.step_time < best):
+    if not (o.fits and o.mesh.pp == 1 and (bound is not None or o.step_time < best)):
         return out
     for count in (k for k in range(o.microbatches - 1, 0, -1) if o.microbatches % k == 0):
         fastest = min((r.step_time for r in ranked + out + [o] if r.fits), default=math.inf)

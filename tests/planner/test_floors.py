@@ -107,3 +107,27 @@ def test_the_ranking_plans_no_variant_or_count_its_floor_rules_out():
     flat = _variants(Mesh(2, 1, 1), 8, price, 2.0, [rival], [("1F1B", 1)], bound)[0]
     assert [o.microbatches for o in _fewer_microbatches(flat, price, 2.0, [rival, flat], bound)] == [4]
     assert asked == [(8, 1), (4, 1)]   # 7, 6 and 5 do not divide 8; 2 and 1 ruled out
+
+
+def test_fewer_microbatches_are_tried_for_a_row_that_is_not_the_fastest():
+    """With floors, a row without pipeline stages that is not the fastest so far is still planned
+    at fewer microbatches where their floors pass: which rows are tried does not depend on the
+    order the search planned the layouts in (a pipeline planned first must not hide them)."""
+    from types import SimpleNamespace
+
+    from autopar.planner.floors import Floor
+    from autopar.planner.mesh_search import MeshOption, _fewer_microbatches, _variants
+
+    def price(mesh, m, schedule, virtual):
+        terms = SimpleNamespace(as_dict=lambda: dict(compute=1.0))
+        choices = SimpleNamespace(zero=1, recompute="none", recompute_regions=(), offload="none", keep_gathered=(),
+                                  schedule=schedule, virtual_stages=virtual)
+        return SimpleNamespace(step_time=1.0 + 0.05 * m, peak_memory=1.0, choices=choices, terms=terms)
+
+    def bound(mesh, m, schedule, virtual):
+        return Floor(0.0, 0.0)
+    pipeline = MeshOption(Mesh(2, 2, 1), 4, 1.2, 1.0, True, schedule="1F1B")   # planned first, faster
+    flat = _variants(Mesh(4, 1, 1), 4, price, 2.0, [pipeline], [("1F1B", 1)], bound)[0]   # 1.2 at m=4
+    assert [o.microbatches for o in _fewer_microbatches(flat, price, 2.0, [pipeline, flat], bound)] == [2, 1]
+    # without floors, only the fastest row is tried (the planning-time bound of the search without them)
+    assert _fewer_microbatches(flat, price, 2.0, [MeshOption(Mesh(2, 2, 1), 4, 1.1, 1.0, True), flat]) == []
