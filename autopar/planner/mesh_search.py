@@ -357,7 +357,9 @@ def _priced(mesh: Mesh, m: int, price, memory_budget: float, schedule: str, virt
     try:
         candidate = price(mesh, m, schedule, virtual)
     except ValueError as e:
-        return MeshOption(mesh, m, math.inf, math.inf, False, e, schedule=schedule, virtual=virtual)
+        # without its traceback, whose frames would keep the candidate's planning state alive
+        return MeshOption(mesh, m, math.inf, math.inf, False, e.with_traceback(None), schedule=schedule,
+                          virtual=virtual)
     peak, c = candidate.peak_memory, candidate.choices
     return MeshOption(mesh, m, candidate.step_time, peak, peak <= memory_budget, zero=c.zero, recompute=c.recompute,
                       recompute_regions=len(c.recompute_regions), offload=c.offload,
