@@ -237,13 +237,11 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
         _, k, i = heapq.heappop(queue)
         cp, meshes, m, schedules = ladders[k][i]
         pp, tp = meshes[0].pp, meshes[0].tp
-        if cp > 1 and not (bound is not None and all(_ruled_out(mesh, m, schedules, bound, out)[0] for mesh in meshes)):
-            if cp not in refused:   # traced once per cp (a refusal is the same on every mesh), if planned
-                refused[cp] = allows_context(cap, cp)
-        if cp > 1 and refused.get(cp):
-            rows = []
-        else:
-            rows = []
+        planning = bound is None or not all(_ruled_out(mesh, m, schedules, bound, out)[0] for mesh in meshes)
+        if cp > 1 and planning and cp not in refused:   # traced once per cp (the same on every mesh), if planned
+            refused[cp] = allows_context(cap, cp)
+        rows = []
+        if not (cp > 1 and refused.get(cp)):
             for mesh in meshes:
                 rows += _variants(mesh, m, price, memory_budget, out + rows, schedules, bound)
         out += rows
@@ -448,7 +446,6 @@ def _cp_reason(best: MeshOption, options: list[MeshOption]) -> str:
     less = [o for o in same if o.planned]
     if len(less) < len(same):   # a floor ruled them out: they cannot be faster, whatever they fit
         return f"; less cp at pp={best.mesh.pp}, tp={best.mesh.tp} cannot be faster (its step floor)"
-
     fitting = [o for o in less if o.fits]
     if fitting:
         rows = ", ".join(f"{mesh_name(o.mesh)} {o.step_time * 1e3:.3f} ms" for o in fitting)

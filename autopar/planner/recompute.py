@@ -70,11 +70,11 @@ def _by_counts(costs: tuple, mems: tuple, budget: float):
     """``block_modes``' answer, exactly, where the blocks come in few kinds (a GPT's blocks share their
     figures): within a kind only how many blocks take each mode matters, so each kind's counts are
     priced, (memory, seconds) Pareto-pruned and merged kind by kind; the least seconds that fit,
-    then the least memory; False too where that answer is within ``_CLEAR`` of the budget, where the
-    solver's tolerances decide (as ``_only_fit``). Each kind gives its first blocks the modes that recompute most: a block's
-    recompute runs when its backward starts, and the blocks after it have freed what they kept by
-    then, so the memory model's peak (with that transient) is least so. None where nothing fits;
-    False where a merge would pass _PAIRS pairs (the ILP answers)."""
+    then the least memory. Each kind gives its first blocks the modes that recompute most: a
+    block's recompute runs when its backward starts, and the blocks after it have freed what they
+    kept by then, so the memory model's peak (with that transient) is least so. None where nothing
+    fits; False (the ILP answers) where a merge would pass _PAIRS pairs, or where the answer is
+    within ``_CLEAR`` of the budget and the solver's tolerances decide it (as ``_only_fit``)."""
     kinds: dict = {}
     for k, row in enumerate(zip(costs, mems)):
         kinds.setdefault(row, []).append(k)

@@ -647,15 +647,15 @@ class _BB:
             return max(x)
         return max(max(x), _rate_level(x, units, count))
 
-    def stage_floor(self, s, e, M, caps):
+    def stage_floor(self, s, e, counted, caps):
         """A lower bound on the slowest stage that memory forces: the free units the other open ranks
         cannot take (``caps``, in open[s]'s order) land on rank r, need_r = count - sum of the others'
         caps; r's stages to come hold them at wq + f(q) aq bytes each within r's headroom, so the
         fullest of them holds at least the least Y for which giving up to Y to each, fewest
         microbatches in flight first, fits; it then runs at least Y tq seconds beyond the least base
         of r's stages (tq + cq for one holding a unit of the others, the last unit's t + cq for
-        stage S - 1, the first unit's t for stage 0)."""
-        x, count = self._counted(s, e, M, False)
+        stage S - 1, the first unit's t for stage 0). ``counted``: ``_counted`` of the ranks' bytes."""
+        x, count = counted
         if count <= 0:
             return 0.0
         total, tq, aq, wq, S, p = sum(caps), self.tq[e], self.aq[e], self.wq[e], self.S, self.p
@@ -691,11 +691,12 @@ class _BB:
         or where some rank's time cap steps up, tried in order while m L alone stays below it."""
         m, p = self.m, self.p
         x, count = self._counted(s, e, R, True)
+        held = self._counted(s, e, M, False)   # the same at every level
         tq = self.tq[e]
 
         def at(level):
             timed = [min(c, max(0, math.floor((level - xr) / tq + 1e-9))) for c, xr in zip(caps, x)]
-            return m * level + (p - 1) * max(bt, self.stage_floor(s, e, M, timed))
+            return m * level + (p - 1) * max(bt, self.stage_floor(s, e, held, timed))
         best = at(lr)
         if count <= 0 or tq <= 0:
             return best
