@@ -385,21 +385,94 @@ def _ring_launch(x: torch.Tensor, group: str, size: int, rank: int) -> torch.Ten
     return _ops.all_to_all_single(x.reshape(-1).contiguous(), recv, send, group)
 
 
-def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(..., heads, s, d) -> (..., kv_heads, heads / kv_heads, s, d): GQA's query groups beside their key head."""
-    return x.reshape(x.shape[:-3] + (kv_heads, x.shape[-3] // kv_heads) + x.shape[-2:])
+def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """(..., kv_heads, s, d) -> (..., heads, s, d): each key/value head repeated for its group of
+    consecutive query heads (GQA, as sdpa's ``enable_gqa``); ``x`` itself when the counts agree."""
+    kv = x.shape[-3]
+    if kv == heads:
+        return x
+    return x.unsqueeze(-3).expand(*x.shape[:-2], heads // kv, *x.shape[-2:]).flatten(-4, -3)
 
 
-def _grouped_mask(mask: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
-    """A mask broadcastable to (..., heads, sq, sk) made broadcastable to ``_grouped``'s layout."""
-    if mask.dim() < 3:
-        return mask
-    return _grouped(mask, kv_heads) if mask.shape[-3] == heads else mask.unsqueeze(-3)
+def _sum_heads(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``_expand_heads``' gradient: each group's query heads' shares summed into its key/value head."""
+    if x.shape[-3] == kv_heads:
+        return x
+    return x.unflatten(-3, (kv_heads, x.shape[-3] // kv_heads)).sum(-3)
 
 
 def _cut(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
     """``x.narrow`` unless ``dim`` is broadcast (size 1)."""
     return x if x.shape[dim] == 1 else x.narrow(dim, start, length)
+
+
+def _finite(m: torch.Tensor) -> torch.Tensor:
+    """A log-sum-exp with -inf (every key masked so far) read as 0, so that exp(s - m) is 0, not nan."""
+    return torch.where(torch.isinf(m), torch.zeros_like(m), m)
+
+
+def fused_blocks(q: torch.Tensor, masked: bool) -> bool:
+    """Whether ring attention's blocks run as fused (flash) attention, which returns the log-sum-exp
+    the ring merges by and keeps no scores: unmasked blocks on the CPU (any float dtype), and on
+    CUDA in 16 bits with a head dim flash attention takes (a multiple of 8, at most 256). Else each
+    block is computed in fp32 (fp64 for fp64) with its scores in full: masked blocks, CUDA in fp32."""
+    if masked:
+        return False
+    if q.device.type == "cpu":
+        return True
+    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
+
+
+def _block_forward(q, k, v, causal: bool, scale: float, mask, fused: bool):
+    """(out, log-sum-exp over the keys, the flash kernel's random-state tensors or ()) of one block:
+    queries (..., h, c, d) against keys and values (..., h, c, d), causal on the diagonal, under
+    ``mask`` (the block's rows and columns, boolean or additive, or None)."""
+    if fused and q.device.type == "cuda":
+        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse, (seed, offset)
+    if fused:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse, ()
+    s = _scores(q, k, causal, scale, mask)
+    lse = torch.logsumexp(s, -1)
+    return torch.exp(s - _finite(lse)[..., None]) @ v, lse, ()
+
+
+def _block_backward(g, q, k, v, out, lse, causal: bool, scale: float, mask, fused: bool, state):
+    """(dq, dk, dv) of one block given the merged output and log-sum-exp of its query rows (``out``,
+    ``lse``): with those, each block's softmax backward is exact on its own (flash attention's)."""
+    if fused and q.device.type == "cuda":
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            g, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, causal, *state, scale=scale)
+    if fused:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g, q, k, v, out, lse, 0.0, causal, scale=scale)
+    p = torch.exp(_scores(q, k, causal, scale, mask) - _finite(lse)[..., None])
+    rowsum = (g * out).sum(-1, keepdim=True)   # rowsum(dO * O): the softmax backward's correction
+    ds = p * (g @ v.transpose(-1, -2) - rowsum) * scale
+    return ds @ k, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ g
+
+
+def _scores(q, k, causal: bool, scale: float, mask) -> torch.Tensor:
+    """Scaled scores q k^T of one block, -inf where the diagonal's causality or ``mask`` hides a key."""
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return s
+
+
+def _merge(acc, lse, out, block_lse):
+    """The online softmax: running (output, log-sum-exp) of some keys and a block's of others -> theirs together."""
+    if acc is None:
+        return out.to(block_lse.dtype), block_lse
+    both = torch.logaddexp(lse, block_lse)
+    shift = _finite(both)
+    return (acc * torch.exp(lse - shift)[..., None] + out * torch.exp(block_lse - shift)[..., None]), both
 
 
 class _Ring:
@@ -412,7 +485,7 @@ class _Ring:
     mask (its rows are the rank's queries, its columns the whole sequence in order)."""
 
     def __init__(self, q, k, v, masked: bool, scale, group, size, rank):
-        self.kv_heads = k.shape[-3]
+        self.heads = q.shape[-3]
         self.masked, self.group, self.size, self.rank = masked, group, size, rank
         self.c = q.shape[-2] // 2   # tokens per chunk
         self.scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -435,25 +508,22 @@ class _Ring:
         return torch.cat([k.reshape(-1), v.reshape(-1)])
 
     def unpack(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A packed block's keys and values, each head repeated for its query heads (``_expand_heads``)."""
         nk = self.k_shape.numel()
-        k = block[:nk].view(self.k_shape).unsqueeze(-3)
-        v = block[nk:].view(self.v_shape).unsqueeze(-3)
-        return k, v
+        k = block[:nk].view(self.k_shape)
+        v = block[nk:].view(self.v_shape)
+        return _expand_heads(k, self.heads), _expand_heads(v, self.heads)
 
     def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
         return x.narrow(-2, i * self.c, self.c)
 
-    def scores(self, q, k, mask, i: int, b: int, diagonal: bool) -> torch.Tensor:
-        """Scaled scores of query chunk ``i`` against key chunk ``k`` (global index ``b``) under ``mask``
-        (``_grouped_mask``'s, or None), -inf where masked."""
-        s = (self.part(q, i) @ k.transpose(-1, -2)) * self.scale
-        if diagonal:
-            keep = torch.ones(self.c, self.c, dtype=torch.bool, device=s.device).tril()
-            s = s.masked_fill(~keep, float("-inf"))
-        if mask is not None:
-            m = _cut(_cut(mask, -2, i * self.c, self.c), -1, b * self.c, self.c)
-            s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
-        return s
+    def rows(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """Query chunk ``i``'s rows of a log-sum-exp (..., heads, queries)."""
+        return x.narrow(-1, i * self.c, self.c)
+
+    def mask(self, mask, i: int, b: int):
+        """Query chunk ``i``'s rows of ``mask`` (None too) at global key chunk ``b``'s columns."""
+        return None if mask is None else _cut(_cut(mask, -2, i * self.c, self.c), -1, b * self.c, self.c)
 
 
 def _strides_like(x: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
@@ -467,92 +537,77 @@ def _strides_like(x: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
     return tuple(strides)
 
 
-def _finite(m: torch.Tensor) -> torch.Tensor:
-    """A running row maximum with -inf (every key masked so far) read as 0, so that exp(s - m) is 0, not nan."""
-    return torch.where(torch.isinf(m), torch.zeros_like(m), m)
-
-
 class _RingAttention(torch.autograd.Function):
     """Causal attention of the rank's queries over every rank's keys and values, passed around the cp ring.
 
-    Forward: cp steps; at each the block for the next step is launched before this block's scores
-    are computed, so the transfer overlaps them; the blocks' partial results merge by their
-    log-sum-exp (the online softmax). Backward: the blocks go around again, and the gradient of
-    each block's keys and values travels with it, one step behind, each rank adding its queries'
-    share, until a last step hands it back to the block's owner. Math in fp32 (fp64 for fp64); only the rank's
+    Forward: cp steps; at each the block for the next step is launched before this block's pairs of
+    chunks are computed, so the transfer overlaps them; each pair's output merges with the running
+    one by their log-sum-exp (the online softmax), in fp32 (fp64 for fp64). Backward: the blocks go
+    around again, and the gradient of each block's keys and values (fp32) travels with it, one step
+    behind, each rank adding its queries' share, until a last step hands it back to the block's
+    owner. Each pair runs as fused attention where ``fused_blocks`` allows (flash attention on the
+    GPU, whose backward takes the merged output and log-sum-exp), else in fp32 math. Only the rank's
     q, k, v, the output and the log-sum-exp are kept (flash attention's saved set)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, group, size, rank):
         ring = _Ring(q, k, v, mask is not None, scale, group, size, rank)
-        grouped = None if mask is None else _grouped_mask(mask, q.shape[-3], ring.kv_heads)
+        fused = fused_blocks(q, mask is not None)
         work = torch.promote_types(q.dtype, torch.float32)
-        qg = _grouped(q.to(work), ring.kv_heads)
+        qw = q if fused else q.to(work)
         block = ring.pack(k, v)
-        rows = [qg.shape[:-2] + (ring.c, 1)] * 2
-        m = [torch.full(r, float("-inf"), dtype=work, device=q.device) for r in rows]
-        denom = [torch.zeros(r, dtype=work, device=q.device) for r in rows]
-        acc = [torch.zeros(qg.shape[:-2] + (ring.c, v.shape[-1]), dtype=work, device=q.device) for _ in rows]
+        acc, lse, state = [None, None], [None, None], ()
         for t in range(size):
             pending = _ring_launch(block, group, size, rank) if t < size - 1 else None
             kb, vb = ring.unpack(block)
-            kb, vb = kb.to(work), vb.to(work)
+            kb, vb = (kb, vb) if fused else (kb.to(work), vb.to(work))
             for i, j, b, diagonal in ring.pairs(t):
-                s = ring.scores(qg, ring.part(kb, j), grouped, i, b, diagonal)
-                new = torch.maximum(m[i], s.amax(-1, keepdim=True))
-                shift = _finite(new)
-                p = torch.exp(s - shift)
-                alpha = torch.exp(m[i] - shift)
-                denom[i] = denom[i] * alpha + p.sum(-1, keepdim=True)
-                acc[i] = acc[i] * alpha + p @ ring.part(vb, j)
-                m[i] = new
+                out, block_lse, state = _block_forward(ring.part(qw, i), ring.part(kb, j), ring.part(vb, j), diagonal,
+                                                       ring.scale, ring.mask(mask, i, b), fused)
+                acc[i], lse[i] = _merge(acc[i], lse[i], out, block_lse.to(work))
             if pending is not None:
                 block = _ops.wait_tensor(pending)
         # in the queries' layout and dtype, as sdpa's; a tensor of its own, not a view (see _own)
-        merged = torch.cat([(a / d).flatten(-4, -3) for a, d in zip(acc, denom)], -2)
+        merged = torch.cat(acc, -2)
         out = torch.empty_strided(merged.shape, _strides_like(q, merged.shape), dtype=q.dtype, device=q.device)
         out.copy_(merged)
-        lse = torch.cat([mi + torch.log(d) for mi, d in zip(m, denom)], -2)
-        ctx.ring = ring
-        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.ring, ctx.fused = ring, fused
+        ctx.save_for_backward(q, k, v, out, torch.cat(lse, -1), mask, *state)
         return out
 
     @staticmethod
     def backward(ctx, g):
-        q, k, v, out, lse, mask = ctx.saved_tensors
-        ring = ctx.ring
+        q, k, v, out, lse, mask, *state = ctx.saved_tensors
+        ring, fused = ctx.ring, ctx.fused
         group, size, rank = ring.group, ring.size, ring.rank
-        grouped = None if mask is None else _grouped_mask(mask, q.shape[-3], ring.kv_heads)
         work = lse.dtype
-        qg = _grouped(q.to(work), ring.kv_heads)
-        go = _grouped(g.to(work), ring.kv_heads)
-        out = _grouped(out.to(work), ring.kv_heads)
-        d = (go * out).sum(-1, keepdim=True)   # rowsum(dO * O): the softmax backward's correction
-        dq = torch.zeros_like(qg)
+        qw, go, ow = (q, g, out) if fused else (q.to(work), g.to(work), out.to(work))
+        dq = torch.zeros(q.shape, dtype=work, device=q.device)
         block = ring.pack(k, v)
         passed = None   # the previous step's key/value gradients, on their way to the next rank
         for t in range(size):
             pending = _ring_launch(block, group, size, rank) if t < size - 1 else None
             kb, vb = ring.unpack(block)
-            kb, vb = kb.to(work), vb.to(work)
-            dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
+            kb, vb = (kb, vb) if fused else (kb.to(work), vb.to(work))
+            dk, dv = torch.zeros(kb.shape, dtype=work, device=q.device), torch.zeros(vb.shape, dtype=work, device=q.device)
             for i, j, b, diagonal in ring.pairs(t):
-                kj, vj = ring.part(kb, j), ring.part(vb, j)
-                p = torch.exp(ring.scores(qg, kj, grouped, i, b, diagonal) - ring.part(lse, i))
-                gi = ring.part(go, i)
-                ds = p * (gi @ vj.transpose(-1, -2) - ring.part(d, i)) * ring.scale
-                dq[..., i * ring.c:(i + 1) * ring.c, :] += ds @ kj
-                dk[..., j * ring.c:(j + 1) * ring.c, :] += (ds.transpose(-1, -2) @ ring.part(qg, i)).sum(-3, True)
-                dv[..., j * ring.c:(j + 1) * ring.c, :] += (p.transpose(-1, -2) @ gi).sum(-3, True)
-            grads = ring.pack(dk, dv)
+                gq, gk, gv = _block_backward(
+                    ring.part(go, i).contiguous(), ring.part(qw, i), ring.part(kb, j), ring.part(vb, j),
+                    ring.part(ow, i).contiguous(), ring.rows(lse, i).contiguous(), diagonal, ring.scale,
+                    ring.mask(mask, i, b), fused, state)
+                ring.part(dq, i).add_(gq)
+                ring.part(dk, j).add_(gk)
+                ring.part(dv, j).add_(gv)
+            grads = ring.pack(_sum_heads(dk, k.shape[-3]), _sum_heads(dv, v.shape[-3]))
             if passed is not None:
                 grads = grads + _ops.wait_tensor(passed)
             passed = _ring_launch(grads, group, size, rank)
             if pending is not None:
                 block = _ops.wait_tensor(pending)
-        dk, dv = ring.unpack(_ops.wait_tensor(passed))   # every rank's share of this rank's own block
-        return (dq.flatten(-4, -3).to(q.dtype), dk.squeeze(-3).to(k.dtype), dv.squeeze(-3).to(v.dtype),
-                None, None, None, None, None)
+        nk = k.numel()   # every rank's share of this rank's own block
+        whole = _ops.wait_tensor(passed)
+        dk, dv = whole[:nk].view(k.shape), whole[nk:].view(v.shape)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -219,3 +219,41 @@ def test_bad_cp_attention():
         autopar.plan(_meta(cfg), {"cp": 2}, inputs, device="h100", cp_attention="ring")
     plan = autopar.plan(_meta(cfg), {"cp": 2}, inputs, device="h100")
     assert plan.cp_attention == "allgather" and any("ring attention cannot run here" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_and_math_blocks_agree(causal):
+    """A block as fused attention (the CPU's flash kernel, ``fused_blocks``' choice for unmasked blocks)
+    and in math give the same output, log-sum-exp and, from a merged output and log-sum-exp, the same
+    q, k, v gradients; the ring tests above run the fused kernel unmasked and the math masked."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v, go = (torch.randn(2, 4, 6, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    out = {}
+    for fused in (True, False):
+        o, lse, state = C._block_forward(q, k, v, causal, 0.3, None, fused)
+        out[fused] = (o, lse, *C._block_backward(go, q, k, v, o, lse, causal, 0.3, None, fused, state))
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    whole = [x.clone().requires_grad_() for x in (q, k, v)]
+    F.scaled_dot_product_attention(*whole, is_causal=causal, scale=0.3).backward(go)
+    for got, x in zip(out[True][2:], whole):
+        torch.testing.assert_close(got, x.grad, rtol=0, atol=1e-12)
+
+
+def test_cuda_blocks_call_flash_attention_as_torch_declares_it():
+    """On CUDA in 16 bits the blocks run torch's flash attention kernels; their calls (forward, and the
+    backward with the forward's random state) are checked against torch's own shape functions on fake
+    CUDA tensors, as no GPU is needed for that. fp32 on CUDA, a head dim flash attention cannot take,
+    or a mask: the fp32 math instead."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(2, 8, 64, 128, dtype=torch.bfloat16, device="cuda")
+        assert C.fused_blocks(q, masked=False)
+        assert not C.fused_blocks(q, masked=True)
+        assert not C.fused_blocks(q.float(), masked=False)
+        assert not C.fused_blocks(torch.empty(2, 8, 64, 264, dtype=torch.bfloat16, device="cuda"), masked=False)
+        o, lse, state = C._block_forward(q, q, q, True, 0.1, None, True)
+        assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (2, 8, 64) and lse.dtype == torch.float32
+        grads = C._block_backward(o, q, q, q, o, lse, True, 0.1, None, True, state)
+        assert [tuple(x.shape) for x in grads] == [tuple(q.shape)] * 3
