@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GIB = 2**30
+# the kernel families (``cost_model.calibrate.KERNEL_FAMILIES``) whose time is memory traffic
+MEMORY_BOUND_FAMILIES = ("triton reduction", "triton pointwise", "other")
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,9 @@ class OpTime:
     ("fp32", "bf16", "fp16"; a batched one's batch folded into m); "attention" (a GPU rank's): a
     fused attention's forward plus backward, ``dims`` the queries' (batch, heads, seq, head_dim),
     ``calls`` its forwards; "other" (a CPU rank's): every other op run at the top level but
-    attention (``dims`` ()), its mean the floor under a small op's time.
+    attention (``dims`` ()), its mean the floor under a small op's time; "kernels" (a GPU rank's):
+    ``dtype`` a kernel family (``cost_model.calibrate.KERNEL_FAMILIES``), ``seconds`` the GPU time of
+    all its kernels in the forward and backward.
     ``cost_model.calibrate.with_rehearsals`` takes them into a device profile."""
 
     op: str
@@ -69,7 +73,9 @@ class Rehearsal:
     and drain, as the plan priced them; ``step_s``: the step those make (``cost_model.terms.step_time``);
     ``param_bytes``: the bytes of the parameters materialised on the device, against the plan's
     for the rank. ``device``: what ran it; ``priced_on``: the device the plan was priced for.
-    ``ops``: what its ops took (``OpTime``; measured on the CPU, () on a GPU or in older files)."""
+    ``ops``: what its ops took (``OpTime``; () in older files). ``memory_bound_bytes``: the bytes
+    the cost model counts for the rank's ops without FLOPs in a step's forward and backward (what
+    its memory-bound kernels move, priced at the profile's ``op_bandwidth``; 0 in older files)."""
 
     rank: int
     coords: str
@@ -92,6 +98,7 @@ class Rehearsal:
     predicted_step_s: float
     collectives: tuple[CollectiveCount, ...] = ()
     ops: tuple[OpTime, ...] = ()
+    memory_bound_bytes: float = 0.0
 
     @property
     def compute_ratio(self) -> float:
@@ -114,6 +121,16 @@ class Rehearsal:
                f"{self.param_bytes / GIB:.4f} GiB (plan {self.planned_param_bytes / GIB:.4f})",
                f"  priced communication {_ms(self.comm_s)} and pipeline bubble {_ms(self.bubble_s)} exposed: step "
                f"{_ms(self.step_s)} (predicted {_ms(self.predicted_step_s)})"]
+        kernels = {op.dtype: op.seconds for op in self.ops if op.op == "kernels"}
+        if kernels:
+            busy = sum(kernels.values())
+            memory = sum(kernels.get(f, 0.0) for f in MEMORY_BOUND_FAMILIES)
+            rate = (f" ({self.memory_bound_bytes / memory / 1e9:.0f} GB/s of the {self.memory_bound_bytes / 1e9:.1f} GB "
+                    f"the cost model counts)" if memory and self.memory_bound_bytes else "")
+            out.append("  GPU kernels per step (one profiled step): " + ", ".join(
+                f"{family} {_ms(seconds)}" for family, seconds in sorted(kernels.items(), key=lambda kv: -kv[1]))
+                + f"; memory-bound {_ms(memory)}{rate}; the timed compute less all kernels "
+                f"{_ms(max(0.0, self.compute_s - busy))} (the GPU idle)")
         if self.collectives:
             out.append("  collectives per step, issued vs plan (count, MiB; the bytes agree or not: a plan counts "
                        "ZeRO's one per phase, the program one per parameter):")

@@ -20,9 +20,12 @@ import torch
 
 from autopar.cost_model.context import GRADIENT_SYNC
 from autopar.cost_model.state import regathered_bytes, state_bytes, state_shards
+from autopar.cost_model.step import BACKWARD_SHARE
+from autopar.cost_model.strategy import strategy_work
 from autopar.cost_model.terms import step_time
 from autopar.graph.precision import compute_dtype, working_copy_ratio
 from autopar.graph.units import zero_units
+from autopar.graph.views import VIEW_OPS
 from autopar.mesh import Mesh
 from autopar.plans import Plan
 from autopar.rehearsal import CollectiveCount, Rehearsal
@@ -203,6 +206,29 @@ def planned_collectives(plan: Plan, pp: int, fqns, cap, strategies) -> tuple[Cou
     return count, nbytes
 
 
+def memory_bound_bytes(plan: Plan, pp: int, strategies) -> float:
+    """Bytes the cost model counts, per step, for the memory-bound ops (no FLOPs, not views) that
+    pipeline rank ``pp`` runs: their forward and backward traffic under their strategies
+    (``cost_model.strategy.strategy_work``), a recomputed op's forward share once more
+    (``cost_model.step.BACKWARD_SHARE``), for each microbatch. The ops of a stage are those at its
+    modules' paths, as ``planned_collectives`` assigns records."""
+    recomputed = {name for region in plan.recompute_regions for name in region}
+    mine = [m for st in plan.stages if st.rank == pp for m in st.modules]
+    staged = [m for st in plan.stages for m in st.modules]
+    ours = not plan.stages or plan.stages[0].rank == pp
+    total = 0.0
+    for node, s in strategies.items():
+        if node.op != "call_function" or node.target in VIEW_OPS:
+            continue
+        where = node.meta.get("module_path", "")
+        if staged and _within(where, staged):
+            ours = _within(where, mine)
+        flops, nbytes, _ = strategy_work(node, s)
+        if ours and not flops:
+            total += nbytes * (1 + (1 - BACKWARD_SHARE) * (node.name in recomputed))
+    return total * plan.microbatches
+
+
 def _within(where: str, modules) -> bool:
     """Whether the module path ``where`` is one of ``modules`` or inside one."""
     return any(where == m or where.startswith(m + ".") for m in modules)
@@ -233,4 +259,5 @@ def _report(plan: Plan, program, measured, why: str, peak: float, planned_params
                      predicted_peak_bytes=peak, memory=measured.memory, param_bytes=measured.param_bytes,
                      planned_param_bytes=int(planned_params), comm_s=comm, bubble_s=bubble,
                      step_s=step_time(measured.compute_s, [comm, bubble], measured.update_s),
-                     predicted_step_s=plan.predicted_step_time, collectives=colls, ops=measured.ops)
+                     predicted_step_s=plan.predicted_step_time, collectives=colls, ops=measured.ops,
+                     memory_bound_bytes=memory_bound_bytes(plan, program.coords["pp"], strategies))

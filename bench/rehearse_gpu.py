@@ -133,7 +133,9 @@ def run_case(name: str, device: str | None, steps: int, warmup: int, out: Path |
 
 def taught(out: Path) -> int:
     """Teach the rehearsed plans' device profile what their ranks' ops took, write it to
-    ``out``/taught.json, re-price each plan with it and print predicted compute before and after."""
+    ``out``/taught.json, re-price each plan with it and print predicted compute before and after;
+    and, where several cases were rehearsed, each re-priced by a profile taught by the others only
+    (``out``/taught-without-CASE.json): what calibration predicts for a job it has not seen."""
     import autopar
     from autopar.cost_model.calibrate import with_rehearsals, write_profile
     from autopar.cost_model.devices import get_device
@@ -146,13 +148,19 @@ def taught(out: Path) -> int:
     devices = {p.device for p in plans.values()}
     if len(devices) != 1:
         raise SystemExit(f"the rehearsed plans were priced for {sorted(devices)}: teach one device's profile at a time")
-    spec, record = with_rehearsals(get_device(devices.pop()), [r for p in plans.values() for r in p.rehearsals])
-    write_profile(spec, record, out / "taught.json")
-    print(f"taught {spec.name}: {len(spec.matmul_table)} matmul and {len(spec.attention_table)} attention samples "
-          f"-> {out / 'taught.json'}\n")
+    base = get_device(devices.pop())
+
+    def teach(cases, path):
+        spec, record = with_rehearsals(base, [r for c in cases for r in plans[c].rehearsals])
+        write_profile(spec, record, path)
+        return spec, record
+    spec, record = teach(list(plans), out / "taught.json")
+    print(f"taught {spec.name}: {len(spec.matmul_table)} matmul and {len(spec.attention_table)} attention samples, "
+          f"memory-bound ops at {record['fused_bandwidth']['rehearsed'] / 1e9:.0f} GB/s "
+          f"(was {record['fused_bandwidth']['before'] / 1e9:.0f}) -> {out / 'taught.json'}\n")
     print("| case | rank | rehearsed compute | predicted (preset) | ratio | predicted (taught) | ratio | "
-          "rehearsed peak GiB | predicted GiB | ratio |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "taught by the others | ratio | rehearsed peak GiB | predicted GiB | ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         if r["case"] not in plans:
             continue
@@ -160,11 +168,20 @@ def taught(out: Path) -> int:
         (rh,) = plan.rehearsals[-1:]
         model, inputs, _, _ = _case(r["case"])
         knobs = {k: v for k, v in r["knobs"].items() if k in ("precision", "cp_attention", "memory_budget")}
-        again = autopar.plan(model, r["mesh"], inputs, plan=plan, device=str(out / "taught.json"), **knobs)
-        after = predicted_compute_s(again, Mesh.of_plan(again).coords(rh.rank)["pp"])
+
+        def priced(path):
+            again = autopar.plan(model, r["mesh"], inputs, plan=plan, device=str(path), **knobs)
+            return predicted_compute_s(again, Mesh.of_plan(again).coords(rh.rank)["pp"])
+        after = priced(out / "taught.json")
+        others = [c for c in plans if c != r["case"]]
+        held = ""
+        if others:
+            teach(others, out / f"taught-without-{r['case']}.json")
+            unseen = priced(out / f"taught-without-{r['case']}.json")
+            held = f"{unseen:.3f} s | x{rh.compute_s / unseen:.3f}"
         print(f"| {r['case']} | {rh.rank} ({rh.coords}) | {rh.compute_s:.3f} s | {rh.predicted_compute_s:.3f} s | "
-              f"x{rh.compute_ratio:.3f} | {after:.3f} s | x{rh.compute_s / after:.3f} | {rh.peak_bytes / 2**30:.2f} | "
-              f"{rh.predicted_peak_bytes / 2**30:.2f} | x{rh.memory_ratio:.3f} |")
+              f"x{rh.compute_ratio:.3f} | {after:.3f} s | x{rh.compute_s / after:.3f} | {held or '- | -'} | "
+              f"{rh.peak_bytes / 2**30:.2f} | {rh.predicted_peak_bytes / 2**30:.2f} | x{rh.memory_ratio:.3f} |")
     return 0
 
 

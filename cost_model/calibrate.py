@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import re
 import statistics
@@ -66,6 +67,7 @@ from .comm import axis_is_inter_node, collective_bytes_on_wire
 from .devices import DEVICES, AttentionSample, CollectiveFit, DeviceSpec, MatmulSample, get_device, machine_memory
 from autopar.graph.views import VIEW_OPS
 from .strategy import op_traffic
+from autopar.rehearsal import MEMORY_BOUND_FAMILIES
 
 MEASURED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 # (m, n, k) of the sample that keeps a preset's matmul rate for sizes above a rehearsal's (``with_rehearsals``)
@@ -210,7 +212,6 @@ def measure_attention(device: str, shapes: list[tuple[int, int, int, int]], *, d
 KERNEL_FAMILIES = [("matmul", r"gemm|nvjet|cutlass|xmma|cublas"), ("attention", r"flash|fmha|sdpa|attention"),
                    ("optimizer", r"multi_tensor|adam"), ("triton reduction", r"^triton_(red|per)_"),
                    ("triton pointwise", r"^triton_"), ("nccl", r"nccl"), ("other", r"")]
-MEMORY_BOUND_FAMILIES = ("triton reduction", "triton pointwise", "other")
 
 
 def kernel_breakdown(step: Callable[[], object], steps: int = 3) -> dict:
@@ -224,6 +225,13 @@ def kernel_breakdown(step: Callable[[], object], steps: int = 3) -> dict:
             step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / steps
+    return dict(kernel_families(prof, steps), wall_s=wall, gaps=idle_gaps(prof, steps))
+
+
+def kernel_families(prof, steps: int = 1) -> dict:
+    """From a finished torch.profiler ``prof`` with CUDA activity over ``steps`` calls: GPU kernel
+    seconds per call by family (``families``, ``KERNEL_FAMILIES``), their sum (``kernels_s``) and the
+    15 costliest kernels (``top``)."""
     families = {name: 0.0 for name, _ in KERNEL_FAMILIES}
     kernels: dict[str, float] = {}
     for e in prof.key_averages():
@@ -233,11 +241,11 @@ def kernel_breakdown(step: Callable[[], object], steps: int = 3) -> dict:
         family = next(name for name, pat in KERNEL_FAMILIES if re.search(pat, e.key, re.I))
         families[family] += t / 1e6 / steps
         kernels[e.key] = kernels.get(e.key, 0.0) + t / 1e6 / steps
-    return dict(families=families, kernels_s=sum(families.values()), wall_s=wall,
-                top=sorted(kernels.items(), key=lambda kv: -kv[1])[:15], gaps=_idle_gaps(prof, steps))
+    return dict(families=families, kernels_s=sum(families.values()),
+                top=sorted(kernels.items(), key=lambda kv: -kv[1])[:15])
 
 
-def _idle_gaps(prof, steps: int, most: int = 8) -> dict:
+def idle_gaps(prof, steps: int, most: int = 8) -> dict:
     """Where the GPU sat idle between kernels: the idle seconds per call, and the longest gaps
     with the kernels on either side (from the profiler's device timeline)."""
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
@@ -522,8 +530,11 @@ def with_rehearsals(spec: DeviceSpec, rehearsals) -> tuple[DeviceSpec, dict]:
     ``AttentionSample`` the same way, in place of the profile's of its dtype and FLOPs.
     ``launch_overhead``, the floor under every op's time, becomes the mean time of a CPU rank's
     other ops (what a small op took there; a GPU rank records none and keeps the profile's).
-    Plans priced with the result predict those ranks' compute as their ops ran; the rehearsals
-    should be of this device."""
+    ``fused_bandwidth``, what memory-bound ops are priced at, becomes the bytes the cost model
+    counts for GPU ranks' memory-bound ops (``Rehearsal.memory_bound_bytes``) over the time of
+    their memory-bound kernels (Triton's and the rest that are neither matmul, attention nor
+    optimizer), pooled. Plans priced with the result predict those ranks' compute as their ops
+    ran; the rehearsals should be of this device."""
     ops = [op for r in rehearsals for op in r.ops]
     if not ops:
         raise ValueError("these rehearsals recorded no op times (a plan file from before rehearsals timed their ops): "
@@ -544,13 +555,18 @@ def with_rehearsals(spec: DeviceSpec, rehearsals) -> tuple[DeviceSpec, dict]:
     other = [op for op in ops if op.op == "other"]
     calls = sum(op.calls for op in other)
     overhead = sum(op.calls * op.seconds for op in other) / calls if calls else spec.launch_overhead
+    memory = [(r.memory_bound_bytes, sum(op.seconds for op in r.ops if op.op == "kernels" and op.dtype in MEMORY_BOUND_FAMILIES))
+              for r in rehearsals if r.memory_bound_bytes]
+    seconds = math.fsum(t for _, t in memory)
+    fused = math.fsum(b for b, _ in memory) / seconds if seconds else spec.fused_bandwidth
     out = replace(spec, name=f"{spec.name} + rehearsed", matmul_table=(*kept, *taken, *anchors),
-                  attention_table=(*kept_attention, *attention), launch_overhead=overhead)
+                  attention_table=(*kept_attention, *attention), launch_overhead=overhead, fused_bandwidth=fused)
     record = {"rehearsals": [{"rank": r.rank, "coords": r.coords, "device": r.device,
                               "matmul_shapes": sum(op.op == "matmul" for op in r.ops),
                               "attention_shapes": sum(op.op == "attention" for op in r.ops),
                               "other_ops": sum(op.calls for op in r.ops if op.op == "other")} for r in rehearsals],
-              "launch_overhead": {"before": spec.launch_overhead, "rehearsed": overhead}}
+              "launch_overhead": {"before": spec.launch_overhead, "rehearsed": overhead},
+              "fused_bandwidth": {"before": spec.fused_bandwidth, "rehearsed": fused}}
     return out, record
 
 

@@ -275,8 +275,12 @@ def cuda_op_times(run) -> tuple[OpTime, ...]:
     shape and dtype (``MATMULS``) its calls and mean kernel seconds per call; per attention shape
     (batch, heads, sequence, head_dim of the queries) and dtype one "attention" row, its calls
     the forwards and its seconds per call a forward's kernels plus its backward's (as
-    ``AttentionSample`` measures fused attention). No "other" row: Inductor's own kernels are no
-    aten ops, and the time a small op takes on a GPU is its launch, which the profile measures."""
+    ``AttentionSample`` measures fused attention); then one "kernels" row per kernel family
+    (``cost_model.calibrate.KERNEL_FAMILIES``: matmul, attention, Triton reduction and pointwise,
+    other, ...), its dtype the family's name and its seconds the GPU time of all its kernels in the
+    run. No "other" row: Inductor's own kernels are no aten ops, and the time a small op takes on
+    a GPU is its launch, which the profile measures."""
+    from autopar.cost_model.calibrate import kernel_families
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         run()
@@ -305,6 +309,8 @@ def cuda_op_times(run) -> tuple[OpTime, ...]:
            for (dtype, m, n, k), (calls, total) in sorted(matmuls.items())]
     out += [OpTime("attention", dtype, shape, calls, total / calls)
             for (dtype, shape), (calls, total) in sorted(attention.items()) if calls]
+    out += [OpTime("kernels", family, (), 1, seconds)
+            for family, seconds in kernel_families(prof)["families"].items() if seconds > 0]
     return tuple(out)
 
 

@@ -83,14 +83,23 @@ def test_a_gpu_rank_s_attention_and_matmuls_become_samples():
     base = get_device("h100")
     shape = (1, 32, 8192, 128)
     fwd_bwd = 0.004
-    ops = (OpTime("matmul", "bf16", (8192, 4096, 4096), 64, 0.0004), OpTime("attention", "bf16", shape, 32, fwd_bwd))
-    spec, record = with_rehearsals(base, [dataclasses.replace(r, ops=ops)])
+    kernels = {"matmul": 0.03, "attention": 0.13, "triton pointwise": 0.02, "triton reduction": 0.01, "other": 0.005}
+    ops = (OpTime("matmul", "bf16", (8192, 4096, 4096), 64, 0.0004), OpTime("attention", "bf16", shape, 32, fwd_bwd),
+           *(OpTime("kernels", family, (), 1, t) for family, t in kernels.items()))
+    gpu = dataclasses.replace(r, ops=ops, memory_bound_bytes=7e10, compute_s=0.25)
+    spec, record = with_rehearsals(base, [gpu])
     taught = [a for a in spec.attention_table if (a.batch, a.heads, a.seq, a.head_dim) == shape and a.dtype == "bf16"]
     assert len(taught) == 1 and taught[0].causal == 1
     assert taught[0].flops_per_s == pytest.approx(taught[0].flops / fwd_bwd)
     assert (2 * 8192 * 4096 * 4096 / 0.0004) in [s.flops_per_s for s in spec.matmul_table]
     assert spec.launch_overhead == base.launch_overhead
     assert record["rehearsals"][0]["attention_shapes"] == 1
+    # memory-bound ops are priced at what the rank's Triton and other kernels reached: 70 GB in 35 ms
+    assert spec.fused_bandwidth == pytest.approx(7e10 / 0.035) and base.fused_bandwidth != spec.fused_bandwidth
+    assert record["fused_bandwidth"] == {"before": base.fused_bandwidth, "rehearsed": spec.fused_bandwidth}
+    line = next(x for x in gpu.lines() if "GPU kernels" in x)
+    assert "attention 130.000 ms" in line and "memory-bound 35.000 ms (2000 GB/s" in line and "idle) " not in line
+    assert "the timed compute less all kernels 55.000 ms" in line
     # attention of that size is priced at the rehearsed rate now
     flops = taught[0].flops
     assert flops / curve_rate(flops, spec.attention_curve("bf16", True)) == pytest.approx(fwd_bwd, rel=1e-6)

@@ -162,6 +162,7 @@ def test_report_fields_round_trip_and_show():
     assert r.step_s == pytest.approx(r.compute_s + r.comm_s + r.bubble_s + r.update_s)
     assert "tensors held" in r.memory   # on CPU: what was measured is said
     assert r.ops and {op.op for op in r.ops} == {"matmul", "other"}   # on CPU its ops are timed
+    assert r.memory_bound_bytes > 0
     assert {c.phase for c in r.collectives} == {"fwd", "bwd"}
     again = Plan.from_json(plan.to_json())
     assert again == plan and again.rehearsals[0].collectives == r.collectives and again.rehearsals[0].ops == r.ops
@@ -172,6 +173,23 @@ def test_report_fields_round_trip_and_show():
     assert "Rehearsed rank 2 (tp 2; as asked) on cpu" in text and "issued vs plan" in text
     page = plan.to_html()
     assert "data-rehearsed-rank='2'" in page and "Rehearsed ranks" in page
+
+
+def test_memory_bound_bytes_of_the_pipeline_ranks_add_up_to_the_models():
+    """Each pipeline rank counts the memory-bound traffic of its stages' ops: the two ranks of a
+    (1, 2, 1) mesh together count what the same plan without stages counts, for as many
+    microbatches count; each counts some, and a recomputed block counts its forward once more."""
+    from autopar.planner.decide import decide
+
+    inputs = example_inputs(TINY, BATCH, SEQ, device="meta")
+    _, strategies, staged = decide(_meta_model(), (1, 2, 1), inputs, device="cpu", plan="megatron", microbatches=2)
+    _, flat_strategies, flat = decide(_meta_model(), (1, 1, 1), inputs, device="cpu", plan="megatron", microbatches=2)
+    ranks = [rehearsing.memory_bound_bytes(staged, pp, strategies) for pp in range(2)]
+    whole = rehearsing.memory_bound_bytes(flat, 0, flat_strategies)
+    assert min(ranks) > 0 and sum(ranks) == pytest.approx(whole)
+    _, rs, recomputed = decide(_meta_model(), (1, 1, 1), inputs, device="cpu", plan="megatron", microbatches=2,
+                               recompute="full")
+    assert recomputed.recompute_regions and rehearsing.memory_bound_bytes(recomputed, 0, rs) > whole
 
 
 # a meta model's capture makes its tables (rotary positions) from meta buffers, which the rank's program
