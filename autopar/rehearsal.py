@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GIB = 2**30
+# the plan's memory terms a rehearsal shows beside the bytes measured (``MemoryPlan``'s fields)
+MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "transient")
 # the kernel families (``cost_model.calibrate.KERNEL_FAMILIES``) whose time is memory traffic
 MEMORY_BOUND_FAMILIES = ("triton reduction", "triton pointwise", "other")
 
@@ -75,7 +77,10 @@ class Rehearsal:
     for the rank. ``device``: what ran it; ``priced_on``: the device the plan was priced for.
     ``ops``: what its ops took (``OpTime``; () in older files). ``memory_bound_bytes``: the bytes
     the cost model counts for the rank's ops without FLOPs in a step's forward and backward (what
-    its memory-bound kernels move, priced at the profile's ``op_bandwidth``; 0 in older files)."""
+    its memory-bound kernels move, priced at the profile's ``op_bandwidth``; 0 in older files).
+    ``held_bytes``: what the rank held before the measured step (weights, optimizer state,
+    buffers; the GPU allocator's bytes in use); ``predicted_terms``: the plan's memory terms for
+    the rank (``MEMORY_TERMS``: its stages' sums, the backward's transient their largest)."""
 
     rank: int
     coords: str
@@ -99,6 +104,8 @@ class Rehearsal:
     collectives: tuple[CollectiveCount, ...] = ()
     ops: tuple[OpTime, ...] = ()
     memory_bound_bytes: float = 0.0
+    held_bytes: float = 0.0
+    predicted_terms: tuple[float, ...] = ()
 
     @property
     def compute_ratio(self) -> float:
@@ -121,6 +128,10 @@ class Rehearsal:
                f"{self.param_bytes / GIB:.4f} GiB (plan {self.planned_param_bytes / GIB:.4f})",
                f"  priced communication {_ms(self.comm_s)} and pipeline bubble {_ms(self.bubble_s)} exposed: step "
                f"{_ms(self.step_s)} (predicted {_ms(self.predicted_step_s)})"]
+        if self.predicted_terms:
+            out.append(f"  held before the step {self.held_bytes / GIB:.4f} GiB, the step's rise above it "
+                       f"{(self.peak_bytes - self.held_bytes) / GIB:.4f} GiB; the plan's terms: " + ", ".join(
+                           f"{name} {v / GIB:.4f}" for name, v in zip(MEMORY_TERMS, self.predicted_terms)) + " GiB")
         kernels = {op.dtype: op.seconds for op in self.ops if op.op == "kernels"}
         if kernels:
             busy = sum(kernels.values())

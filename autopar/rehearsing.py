@@ -28,7 +28,7 @@ from autopar.graph.units import zero_units
 from autopar.graph.views import VIEW_OPS
 from autopar.mesh import Mesh
 from autopar.plans import Plan
-from autopar.rehearsal import CollectiveCount, Rehearsal
+from autopar.rehearsal import MEMORY_TERMS, CollectiveCount, Rehearsal
 
 
 def rehearse(model, mesh, example_inputs, *, rank="worst", steps: int = 5, warmup: int = 2, world_size=None,
@@ -118,6 +118,15 @@ def predicted_peak(plan: Plan, pp: int) -> float:
     """The plan's peak bytes for pipeline rank ``pp`` (each stage's MemoryPlan holds its rank's peak)."""
     peaks = [m.peak for m in plan.memory if m.stage % plan.mesh[1] == pp]
     return max(peaks, default=0.0)
+
+
+def predicted_terms(plan: Plan, pp: int) -> tuple[float, ...]:
+    """The plan's memory terms (``MEMORY_TERMS``) for pipeline rank ``pp``: its stages' sums, the
+    backward's transient their largest (as ``cost_model.terms.rank_peaks`` adds them)."""
+    mine = [m for m in plan.memory if m.stage % plan.mesh[1] == pp]
+    if not mine:
+        return ()
+    return (*(math.fsum(getattr(m, name) for m in mine) for name in MEMORY_TERMS[:-1]), max(m.transient for m in mine))
 
 
 def _local_device() -> torch.device:
@@ -260,4 +269,5 @@ def _report(plan: Plan, program, measured, why: str, peak: float, planned_params
                      planned_param_bytes=int(planned_params), comm_s=comm, bubble_s=bubble,
                      step_s=step_time(measured.compute_s, [comm, bubble], measured.update_s),
                      predicted_step_s=plan.predicted_step_time, collectives=colls, ops=measured.ops,
-                     memory_bound_bytes=memory_bound_bytes(plan, program.coords["pp"], strategies))
+                     memory_bound_bytes=memory_bound_bytes(plan, program.coords["pp"], strategies),
+                     held_bytes=measured.held_bytes, predicted_terms=predicted_terms(plan, program.coords["pp"]))

@@ -36,8 +36,9 @@ class Measured:
     """A rank's step as ``run_rank`` measured it: median seconds of the forward and backward over
     the step's microbatches (``train_step``) and of the optimizer step, the peak bytes and what
     they are (``memory``), the bytes of the parameters made, the collectives issued per step,
-    (kind, axis, phase) -> (count, bytes), and what its forward and backward's ops took
-    (``op_times`` on the CPU, ``cuda_op_times`` on a GPU)."""
+    (kind, axis, phase) -> (count, bytes), what its forward and backward's ops took
+    (``op_times`` on the CPU, ``cuda_op_times`` on a GPU) and the bytes held before a step
+    (``step_peak``)."""
 
     compute_s: float
     update_s: float
@@ -47,6 +48,7 @@ class Measured:
     collectives: dict
     steps: int
     ops: tuple = ()
+    held_bytes: float = 0.0
 
 
 def run_rank(model, program, cap, tally: Tally, *, steps: int, warmup: int, log=None) -> Measured:
@@ -76,7 +78,7 @@ def run_rank(model, program, cap, tally: Tally, *, steps: int, warmup: int, log=
                 update.append(seconds[1])
         tally.on = False
         say(f"rank {program.rank}: one more step, its memory measured")
-        peak, memory = step_peak(pm, opt, lambda: _timed_step(pm, opt, batch, tally, cuda))
+        peak, memory, held = step_peak(pm, opt, lambda: _timed_step(pm, opt, batch, tally, cuda))
         say(f"rank {program.rank}: one more step, its ops timed")
         try:
             ops = (cuda_op_times if cuda else op_times)(lambda: pm.train_step(*batch))
@@ -90,7 +92,7 @@ def run_rank(model, program, cap, tally: Tally, *, steps: int, warmup: int, log=
         count, nbytes = per_step.get(key, (0, 0))
         per_step[key] = (count + calls // steps, nbytes + tally.bytes[(kind, group, phase)] // steps)
     return Measured(statistics.median(compute), statistics.median(update), peak, memory, param_bytes,
-                    per_step, steps, ops)
+                    per_step, steps, ops, held)
 
 
 def _timed_step(pm, opt, batch, tally: Tally, cuda: bool) -> tuple[float, float]:
@@ -134,9 +136,11 @@ def _sync_in_step_phase(tally: Tally):
         runtime_step.sync_gradients = original
 
 
-def step_peak(pm, opt, step) -> tuple[float, str]:
+def step_peak(pm, opt, step) -> tuple[float, str, float]:
     """The peak bytes of the device while ``step()`` (a training step of ``pm``, a ParallelModel,
-    and ``opt``, its optimizer) runs, and what they are. On a GPU the allocator's peak; on the CPU
+    and ``opt``, its optimizer) runs, what they are, and the bytes held before it (what the rank
+    keeps between steps: weights, optimizer state, buffers). On a GPU the allocator's peak and the
+    bytes allocated before; on the CPU
     the tensors held before the step (``held_bytes``) plus the highest the CPU allocator's bytes
     in use rose above them during it, activations and the backward's transients included
     (torch.profiler's memory events: every allocation and free, compiled code's too). A real run
@@ -145,9 +149,10 @@ def step_peak(pm, opt, step) -> tuple[float, str]:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+        held = torch.cuda.memory_allocated(device)
         step()
         torch.cuda.synchronize(device)
-        return float(torch.cuda.max_memory_allocated(device)), "the allocator's peak"
+        return float(torch.cuda.max_memory_allocated(device)), "the allocator's peak", float(held)
     # the profiler counts the free of a block it saw allocated, in any earlier profile too: garbage of
     # earlier work collected during the step would lower the figure, so it is collected before, and
     # the collector waits meanwhile (a cycle freed mid-step would move the peak run to run)
@@ -166,7 +171,7 @@ def step_peak(pm, opt, step) -> tuple[float, str]:
         in_use += nbytes
         rise = max(rise, in_use)
     return float(held + rise), ("the tensors held before a step plus the most the CPU allocator's bytes in use "
-                                "rose during it (activations and the backward's transients included)")
+                                "rose during it (activations and the backward's transients included)"), float(held)
 
 
 @contextlib.contextmanager

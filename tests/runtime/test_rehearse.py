@@ -163,6 +163,8 @@ def test_report_fields_round_trip_and_show():
     assert "tensors held" in r.memory   # on CPU: what was measured is said
     assert r.ops and {op.op for op in r.ops} == {"matmul", "other"}   # on CPU its ops are timed
     assert r.memory_bound_bytes > 0
+    (m,) = plan.memory
+    assert 0 < r.held_bytes < r.peak_bytes and r.predicted_terms == (m.params, m.grads, m.optimizer, m.activations, m.transient)
     assert {c.phase for c in r.collectives} == {"fwd", "bwd"}
     again = Plan.from_json(plan.to_json())
     assert again == plan and again.rehearsals[0].collectives == r.collectives and again.rehearsals[0].ops == r.ops
@@ -171,6 +173,7 @@ def test_report_fields_round_trip_and_show():
     assert Plan.from_json(json.dumps(older)).rehearsals == ()
     text = plan.summary()
     assert "Rehearsed rank 2 (tp 2; as asked) on cpu" in text and "issued vs plan" in text
+    assert f"the plan's terms: params {m.params / 2**30:.4f}" in text
     page = plan.to_html()
     assert "data-rehearsed-rank='2'" in page and "Rehearsed ranks" in page
 
