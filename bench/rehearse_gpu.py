@@ -26,6 +26,8 @@ matmuls and fused attention took (``calibrate.with_rehearsals``), writes it to D
 re-prices each rehearsed plan with it (the same choices: the plan is given back to the planner)
 and prints the predicted compute before and after beside the rehearsed one.
 
+"8b-tp8" plans within 76 GiB: recompute="auto" fills the budget it is given, and an H100 of "80 GB"
+holds 79.1 GiB less its CUDA context, so its preset's 80 GiB would plan a rank no H100 can run.
 "70b" rehearses the layout ``bench/rankings.py 70b`` chooses on H100s (mesh, ZeRO stage,
 microbatches, schedule), planned again for this GPU with the ranking's 80 GiB budget;
 "70b-recipe" is NVIDIA's Llama 3.1 70B recipe on 64 GPUs (TP4 PP4 CP2, 5 virtual stages,
@@ -45,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench/rankings.py's
 # name: (model, mesh, global batch, sequence, knobs); Llama shapes as bench/rankings.py builds them
 CASES = {
     "tiny": ("tiny", {"dp": 2, "pp": 2, "tp": 2}, 8, 32, dict(precision="bf16")),   # a smoke test, seconds
-    "8b-tp8": ("llama-8b", (1, 1, 8), 8, 8192, dict(precision="bf16", recompute="auto")),
+    "8b-tp8": ("llama-8b", (1, 1, 8), 8, 8192, dict(precision="bf16", recompute="auto", memory_budget="76GiB")),
     "8b-zero3": ("llama-8b", (8, 1, 1), 8, 8192, dict(zero=3, precision="bf16")),
     "8b-cp2-ring": ("llama-8b", {"dp": 4, "cp": 2}, 4, 65536, dict(precision="bf16", zero=3, cp_attention="ring", recompute="full")),
     "175b": ("gpt3-175b", (8, 16, 4), 1536, 2048, dict(precision="bf16", zero=1)),
