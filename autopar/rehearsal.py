@@ -5,17 +5,25 @@ data (``autopar.runtime.fake_group``), and records here its compute and update s
 memory and the collectives it issued, each beside the plan's figure for that rank, and the step
 time that results: the rehearsed compute and update plus the communication and pipeline bubble
 the plan priced (``cost_model.terms.step_time``, the one step sum). Plain frozen data, so
-``autopar.plans`` stores it and its JSON round trip reads it back; this module imports nothing of
-autopar's. ``autopar.rehearsing`` makes it.
+``autopar.plans`` stores it and its JSON round trip reads it back, and the families GPU kernels
+are counted in (``kernel_families``), shared by the runtime's rehearsal and the cost model's
+calibration; this module imports nothing of autopar's. ``autopar.rehearsing`` makes it.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 GIB = 2**30
 # the plan's memory terms a rehearsal shows beside the bytes measured (``MemoryPlan``'s fields)
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "transient")
-# the kernel families (``cost_model.calibrate.KERNEL_FAMILIES``) whose time is memory traffic
+# Kernel families by name, first match wins: cuBLAS/CUTLASS matmuls, fused attention (FlashAttention,
+# cuDNN, memory-efficient), the fused optimizer, Inductor's Triton kernels by kind, NCCL; "other"
+# is every other kernel (eager elementwise, copies, embedding backward).
+KERNEL_FAMILIES = [("matmul", r"gemm|nvjet|cutlass|xmma|cublas"), ("attention", r"flash|fmha|sdpa|attention"),
+                   ("optimizer", r"multi_tensor|adam"), ("triton reduction", r"^triton_(red|per)_"),
+                   ("triton pointwise", r"^triton_"), ("nccl", r"nccl"), ("other", r"")]
+# the kernel families whose time is memory traffic
 MEMORY_BOUND_FAMILIES = ("triton reduction", "triton pointwise", "other")
 
 
@@ -52,7 +60,7 @@ class OpTime:
     fused attention's forward plus backward, ``dims`` the queries' (batch, heads, seq, head_dim),
     ``calls`` its forwards; "other" (a CPU rank's): every other op run at the top level but
     attention (``dims`` ()), its mean the floor under a small op's time; "kernels" (a GPU rank's):
-    ``dtype`` a kernel family (``cost_model.calibrate.KERNEL_FAMILIES``), ``seconds`` the GPU time of
+    ``dtype`` a kernel family (``KERNEL_FAMILIES``), ``seconds`` the GPU time of
     all its kernels in the forward and backward.
     ``cost_model.calibrate.with_rehearsals`` takes them into a device profile."""
 
@@ -154,3 +162,20 @@ class Rehearsal:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
+
+
+def kernel_families(prof, steps: int = 1) -> dict:
+    """From a finished torch.profiler ``prof`` with CUDA activity over ``steps`` calls: GPU kernel
+    seconds per call by family (``families``, ``KERNEL_FAMILIES``), their sum (``kernels_s``) and the
+    15 costliest kernels (``top``)."""
+    families = {name: 0.0 for name, _ in KERNEL_FAMILIES}
+    kernels: dict[str, float] = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        if not t or str(getattr(e, "device_type", "")).endswith("CPU"):
+            continue
+        family = next(name for name, pat in KERNEL_FAMILIES if re.search(pat, e.key, re.I))
+        families[family] += t / 1e6 / steps
+        kernels[e.key] = kernels.get(e.key, 0.0) + t / 1e6 / steps
+    return dict(families=families, kernels_s=sum(families.values()),
+                top=sorted(kernels.items(), key=lambda kv: -kv[1])[:15])

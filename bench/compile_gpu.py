@@ -491,7 +491,7 @@ def main(argv=None) -> int:
 
     broken = [r for r in report["runs"] if "breakdown" in r]
     if broken:
-        from autopar.cost_model.calibrate import KERNEL_FAMILIES
+        from autopar.rehearsal import KERNEL_FAMILIES
         names = [n for n, _ in KERNEL_FAMILIES]
         print("\n## GPU kernel time per step by family, ms (torch.profiler, 3 steps)\n")
         print(markdown(["config", "contender", *names, "all kernels", "step wall"],

@@ -52,7 +52,6 @@ import datetime
 import json
 import math
 import os
-import re
 import statistics
 import time
 from dataclasses import replace
@@ -67,7 +66,7 @@ from .comm import axis_is_inter_node, collective_bytes_on_wire
 from .devices import DEVICES, AttentionSample, CollectiveFit, DeviceSpec, MatmulSample, get_device, machine_memory
 from autopar.graph.views import VIEW_OPS
 from .strategy import op_traffic
-from autopar.rehearsal import MEMORY_BOUND_FAMILIES
+from autopar.rehearsal import MEMORY_BOUND_FAMILIES, kernel_families
 
 MEASURED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 # (m, n, k) of the sample that keeps a preset's matmul rate for sizes above a rehearsal's (``with_rehearsals``)
@@ -206,16 +205,8 @@ def measure_attention(device: str, shapes: list[tuple[int, int, int, int]], *, d
     return samples
 
 
-# Kernel families by name, first match wins: cuBLAS/CUTLASS matmuls, fused attention (FlashAttention,
-# cuDNN, memory-efficient), the fused optimizer, Inductor's Triton kernels by kind, NCCL; "other"
-# is every other kernel (eager elementwise, copies, embedding backward).
-KERNEL_FAMILIES = [("matmul", r"gemm|nvjet|cutlass|xmma|cublas"), ("attention", r"flash|fmha|sdpa|attention"),
-                   ("optimizer", r"multi_tensor|adam"), ("triton reduction", r"^triton_(red|per)_"),
-                   ("triton pointwise", r"^triton_"), ("nccl", r"nccl"), ("other", r"")]
-
-
 def kernel_breakdown(step: Callable[[], object], steps: int = 3) -> dict:
-    """GPU kernel seconds per call of ``step`` by family (``KERNEL_FAMILIES``), from torch.profiler
+    """GPU kernel seconds per call of ``step`` by family (``autopar.rehearsal.KERNEL_FAMILIES``), from torch.profiler
     over ``steps`` calls, with the wall time per call and the 15 costliest kernels."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
@@ -226,23 +217,6 @@ def kernel_breakdown(step: Callable[[], object], steps: int = 3) -> dict:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / steps
     return dict(kernel_families(prof, steps), wall_s=wall, gaps=idle_gaps(prof, steps))
-
-
-def kernel_families(prof, steps: int = 1) -> dict:
-    """From a finished torch.profiler ``prof`` with CUDA activity over ``steps`` calls: GPU kernel
-    seconds per call by family (``families``, ``KERNEL_FAMILIES``), their sum (``kernels_s``) and the
-    15 costliest kernels (``top``)."""
-    families = {name: 0.0 for name, _ in KERNEL_FAMILIES}
-    kernels: dict[str, float] = {}
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
-        if not t or str(getattr(e, "device_type", "")).endswith("CPU"):
-            continue
-        family = next(name for name, pat in KERNEL_FAMILIES if re.search(pat, e.key, re.I))
-        families[family] += t / 1e6 / steps
-        kernels[e.key] = kernels.get(e.key, 0.0) + t / 1e6 / steps
-    return dict(families=families, kernels_s=sum(families.values()),
-                top=sorted(kernels.items(), key=lambda kv: -kv[1])[:15])
 
 
 def idle_gaps(prof, steps: int, most: int = 8) -> dict:

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from autopar.rehearsal import OpTime
+from autopar.rehearsal import OpTime, kernel_families
 from autopar.runtime import step as runtime_step
 from autopar.runtime.fake_group import Tally
 from autopar.runtime.parallel_model import ParallelModel
@@ -281,11 +281,10 @@ def cuda_op_times(run) -> tuple[OpTime, ...]:
     (batch, heads, sequence, head_dim of the queries) and dtype one "attention" row, its calls
     the forwards and its seconds per call a forward's kernels plus its backward's (as
     ``AttentionSample`` measures fused attention); then one "kernels" row per kernel family
-    (``cost_model.calibrate.KERNEL_FAMILIES``: matmul, attention, Triton reduction and pointwise,
+    (``autopar.rehearsal.KERNEL_FAMILIES``: matmul, attention, Triton reduction and pointwise,
     other, ...), its dtype the family's name and its seconds the GPU time of all its kernels in the
     run. No "other" row: Inductor's own kernels are no aten ops, and the time a small op takes on
     a GPU is its launch, which the profile measures."""
-    from autopar.cost_model.calibrate import kernel_families
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         run()
