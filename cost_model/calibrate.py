@@ -206,8 +206,8 @@ def measure_attention(device: str, shapes: list[tuple[int, int, int, int]], *, d
 
 
 def kernel_breakdown(step: Callable[[], object], steps: int = 3) -> dict:
-    """GPU kernel seconds per call of ``step`` by family (``autopar.rehearsal.KERNEL_FAMILIES``), from torch.profiler
-    over ``steps`` calls, with the wall time per call and the 15 costliest kernels."""
+    """GPU kernel seconds per call of ``step`` by family (``autopar.rehearsal.KERNEL_FAMILIES``), from
+    torch.profiler over ``steps`` calls, with the wall time per call and the 15 costliest kernels."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
