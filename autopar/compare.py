@@ -226,10 +226,9 @@ def _build(name, mesh, model, idx, tgt, sp):
     import autopar
 
     if name in _BY_HAND:
-        from torch.distributed.device_mesh import init_device_mesh
-
         from autopar.examples import handwritten as hw
-        dmesh = init_device_mesh("cpu", (mesh[0], mesh[2]), mesh_dim_names=("dp", "tp"))
+        from autopar.mesh import made_device_mesh
+        dmesh = made_device_mesh("cpu", (mesh[0], mesh[2]), ("dp", "tp"))
         tensor_parallel = name == "hand-written" or mesh[2] > 1
         model = hw.parallelize_by_hand(model, dmesh, sequence_parallel=sp and tensor_parallel,
                                        dp_wrapper="fully_shard", tensor_parallel=tensor_parallel)

@@ -171,10 +171,35 @@ def device_mesh(mesh: Mesh, device_type: str):
     """The torch DeviceMesh with axes ("dp", "pp", "tp") over the initialised world; ("dp", "pp",
     "cp", "tp") when the mesh has cp > 1."""
     mesh.check_world(dist.get_world_size())
-    from torch.distributed.device_mesh import init_device_mesh
     if mesh.cp > 1:
-        return init_device_mesh(device_type, (mesh.dp, mesh.pp, mesh.cp, mesh.tp), mesh_dim_names=("dp", "pp", "cp", "tp"))
-    return init_device_mesh(device_type, (mesh.dp, mesh.pp, mesh.tp), mesh_dim_names=AXES)
+        return made_device_mesh(device_type, (mesh.dp, mesh.pp, mesh.cp, mesh.tp), ("dp", "pp", "cp", "tp"))
+    return made_device_mesh(device_type, (mesh.dp, mesh.pp, mesh.tp), AXES)
+
+
+# The DeviceMeshes and process groups made on the current world, by what they were made of: one
+# process may build the same mesh many times (parallelize called again, compare's contenders, a
+# test rank running case after case), and every gloo group keeps three threads that wake on their
+# own (150 idle groups cost a rank about 13% of a core), so each is made once per world. All ranks
+# make the same calls in the same order, so all find or make the same groups: still collective.
+_MADE: dict = {}
+
+
+def _made(key: tuple, make):
+    """``make()``'s result for ``key`` on the current world, made on first use."""
+    if _MADE.get("world") is not dist.group.WORLD:   # a new world: the old groups are gone with it
+        _MADE.clear()
+        _MADE["world"] = dist.group.WORLD
+    if key not in _MADE:
+        _MADE[key] = make()
+    return _MADE[key]
+
+
+def made_device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
+    """``init_device_mesh(device_type, shape, mesh_dim_names=names)`` over the initialised world,
+    made once per world (collective on first use: every rank calls it with the same arguments)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return _made(("mesh", device_type, tuple(shape), tuple(names)),
+                 lambda: init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names)))
 
 
 def axes_group(mesh: Mesh, axes: tuple[str, ...]) -> str:
@@ -191,7 +216,7 @@ def axes_group(mesh: Mesh, axes: tuple[str, ...]) -> str:
         members.setdefault(tuple(c[a] for a in fixed), []).append(r)
     mine, me = None, dist.get_rank()
     for key in sorted(members):
-        group = dist.new_group(members[key])
+        group = _made(("group", tuple(members[key])), lambda: dist.new_group(members[key]))
         if me in members[key]:
             mine = group
     return mine.group_name
@@ -203,9 +228,8 @@ def split_dp_groups(mesh: Mesh, device_type: str) -> tuple[str, str]:
     if not mesh.split:
         raise ValueError(f"mesh {mesh} does not split dp into replicas")
     mesh.check_world(dist.get_world_size())
-    from torch.distributed.device_mesh import init_device_mesh
     names, sizes = zip(*mesh.dims())
-    split = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+    split = made_device_mesh(device_type, sizes, names)
     return group_name(split, "dp_shard"), group_name(split, "dp_replicate")
 
 

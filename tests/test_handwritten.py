@@ -40,10 +40,10 @@ def _run_case(dp, tp, sp, opts):
     """One configuration on this rank: loss, every gradient and a short AdamW run, each with the reference."""
     from dataclasses import replace
 
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
     from autopar.examples.gpt import GPT, GPTConfig, example_inputs
+    from autopar.mesh import made_device_mesh
     from autopar.examples.handwritten import (full_state_dict_by_hand, local_batch_by_hand,
                                       parallelize_by_hand, train_step_by_hand)
 
@@ -70,7 +70,7 @@ def _run_case(dp, tp, sp, opts):
 
     torch.manual_seed(0)
     model = GPT(cfg)
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = made_device_mesh("cpu", (dp, tp), ("dp", "tp"))   # made once per rank, not per case
     model = parallelize_by_hand(model, mesh, sequence_parallel=sp, **opts)
     gathered = full_state_dict_by_hand(model)   # gathered and un-permuted: the initial weights exactly
     state_dict_diff = {k: "missing" if k not in gathered else (gathered[k] - v).abs().max().item()
