@@ -112,8 +112,10 @@ TORCHRUN = {name: cli.background(_torchrun, files={"job.py": _TORCHRUN_SCRIPT.fo
 @pytest.mark.parametrize("name", list(FAILURES))
 def test_torchrun_rank_failure_ends_the_job(name):
     done, ended, workdir = TORCHRUN[name].result()
+    failed_at = workdir / "failed_at"
+    assert failed_at.exists(), f"rank 1 never reached its failure; the job's stderr ends:\n{done.stderr[-3000:]}"
     # from the failure, not from the start: two ranks importing torch on a loaded machine take a while
-    assert ended - float((workdir / "failed_at").read_text()) < BOUND_S
+    assert ended - float(failed_at.read_text()) < BOUND_S
     assert done.returncode != 0
     # torchrun's closing report names the failed rank and, from guard's error file, its error.
     report = done.stderr[done.stderr.rindex("Root Cause"):]
