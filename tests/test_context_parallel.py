@@ -9,6 +9,7 @@ cp, or ``ring_attention``, cp-1 block transfers), as the plan counts them; a che
 cp, and the errors for a sequence 2·cp does not divide and for attention cp cannot split."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -48,13 +49,13 @@ def _world(mesh: dict) -> int:
     return Mesh.parse(mesh).world_size
 
 
-def build(name: str):
+def build(name: str, layers: int = 2):
     torch.manual_seed(0)
     if name.startswith("gpt"):
-        return GPT(CFG)
+        return GPT(dataclasses.replace(CFG, n_layer=layers))
     import transformers
     from autopar.hf import causal_lm_loss
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                                    bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa")
     return causal_lm_loss(transformers.LlamaForCausalLM(cfg))
@@ -234,3 +235,43 @@ def test_cp_pricing():
     # 2 layers x (K, V) per step, whole sequence at every head
     assert sum(c.count for c in two.collectives if (c.kind, c.axis) == ("all_gather", "cp")) == 4
     assert gathered == 4 * 2 * 256 * 256 * 4 / 2   # fp32 (batch, heads, sequence, head dim) each
+
+
+class _MeanFree(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(32, 32)
+
+    def forward(self, x):   # subtracts the sequence's mean: a reduction over the sequence cp cannot split
+        return x + self.linear(x - x.mean(dim=1, keepdim=True))
+
+
+class _SequenceMean(torch.nn.Module):
+    def __init__(self, layers: int):
+        super().__init__()
+        self.emb = torch.nn.Embedding(96, 32)
+        self.layers = torch.nn.ModuleList(_MeanFree() for _ in range(layers))
+        self.head = torch.nn.Linear(32, 96)
+
+    def forward(self, idx, tgt):
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), tgt.flatten())
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "sequence-mean"])
+def test_cp_check_on_the_first_layers_agrees_with_the_whole_graph(name):
+    """A capture built by repeating layers is checked for cp on the trace of its first three layers
+    (``Captured.excerpt``); for every cp the verdict is the one its whole graph gives."""
+    from autopar.graph.block_capture import MIN_LAYERS
+    from autopar.graph.capture import capture_pass
+    from autopar.planner.mesh_search import allows_context
+    model = _SequenceMean(MIN_LAYERS) if name == "sequence-mean" else build(name, MIN_LAYERS)
+    cap = capture_pass(model, example_inputs(CFG, BATCH, SEQ), require_loss=True)
+    assert cap.excerpt is not None and len(cap.excerpt.gm.graph.nodes) < len(cap.gm.graph.nodes)
+    whole = dataclasses.replace(cap.copy(), excerpt=None)
+    verdicts = {cp: allows_context(cap, cp) for cp in (2, 4, 8)}
+    assert verdicts == {cp: allows_context(whole, cp) for cp in (2, 4, 8)}
+    refused = name == "sequence-mean"
+    assert all(verdicts.values()) == refused and any(verdicts.values()) == refused

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 from torch.fx import Graph, Node, map_arg
@@ -72,7 +73,7 @@ def capture_repeated(model: torch.nn.Module, example_inputs: tuple, capture):
         return None
     if _signature(grown.gm.graph) != _signature(three.gm.graph):
         return None
-    return _repeat(two, fqn, n)
+    return replace(_repeat(two, fqn, n), excerpt=three)
 
 
 def _layer_of(prefix: str, node: Node) -> int | None:

@@ -52,6 +52,10 @@ class Captured:
     buffers: dict[str, Node] = field(default_factory=dict)   # buffers and lifted constants
     loss: Node | None = None
     constants: dict[str, torch.Tensor] = field(default_factory=dict)   # a lifted constant's FQN -> value
+    # of a capture built by repeating layers (graph.block_capture): the model's trace with only its
+    # first three repeated layers, whose graph this one's repeats node for node; a check whose verdict
+    # depends only on each node's op, arguments and shape (cp's, ``passes.context_parallel``) runs on it
+    excerpt: Captured | None = field(default=None, compare=False, repr=False)
 
     def with_graph(self, gm: GraphModule) -> Captured:
         """This capture on ``gm``, a rewrite of its graph (a pass's output) that keeps the names of
