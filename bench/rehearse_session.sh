@@ -17,8 +17,7 @@ from pathlib import Path
 prev, out = Path(sys.argv[1]), Path(sys.argv[2])
 new = json.loads((out / "new/results.json").read_text()) if (out / "new/results.json").exists() else []
 done = {r["case"] for r in new}
-old = ([r for r in json.loads((prev / "results.json").read_text()) if r["case"] not in done]
-       if sys.argv[1] and (prev / "results.json").exists() else [])
+old = [r for r in json.loads((prev / "results.json").read_text()) if r["case"] not in done] if sys.argv[1] else []
 for r in old:
     shutil.copy(prev / f"{r['case']}.json", out / "all")
 (out / "all/results.json").write_text(json.dumps(old + new, indent=1))
