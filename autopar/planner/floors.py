@@ -55,7 +55,10 @@ op bandwidth, its FLOPs at the fastest rate the profile's curve reaches at those
   least rho seconds per byte, the least over blocks and modes. So the recomputed forwards take at
   least rho X / max f_s seconds per microbatch, X = p P-state + least sum - p B, which the
   pipeline's ranks share: the compute term is at least m (W + rho X / max f_s) / p, or without
-  stages m (W + rho X).
+  stages m (W + rho X). Each unit keeps at least a 1/(tp c) share of the least it keeps at tp = 1
+  under any mode, so where p P-state plus the least weighted sum of those is above p B, no plan at
+  that ZeRO stage and offload fits, recompute what it may: the floor is the least over the others
+  (over all of them where none may fit, so that the layout is planned and its plan says by how much).
 - dp, update, cp's gradient sync, per ZeRO stage z and offload o the layout may be planned at
   (``choose_zero``, ``choose_offload``): ``step.dp_sync_time`` of P bytes at z < 2 (one sync per
   step, linear in the bytes), ``step.zero_sync_floor`` at z >= 2; ``step.update_terms`` of P bytes;
@@ -164,22 +167,29 @@ class RowFloors:
                 compute = m * max(work / p, busiest) + (p - 1) * slowest
             flight = inflight_microbatches(p, m, virtual, schedule)
         fixed, per_microbatch, peak, state = self._kept(("sync", mesh), lambda: self._sync(mesh))
-        kept, rho = self._recompute(mesh, k, flight)
+        kept, rho, least = self._recompute(mesh, k, flight)
         attention = m * self._attention_floor(mesh, k)
-        best = math.inf
+        best = unfit = math.inf
         for f, g, held in zip(fixed, per_microbatch, state[m > 1]):
             # the recomputed forwards every fitting plan runs at least (module docstring)
             again = rho * max(0.0, held * p + kept - p * self.req.limit) / max(flight)
             total = max(compute, m * (work + again) / p) if p > 1 else compute + m * again
-            best = min(best, total / mesh.cp + f + m * g + attention)
+            step = total / mesh.cp + f + m * g + attention
+            if held * p + least <= p * self.req.limit:
+                best = min(best, step)
+            else:   # no plan at this ZeRO stage and offload fits, recomputing all it can (module docstring)
+                unfit = min(unfit, step)
+        # where none can fit, the least over all of them: the layout is planned, and its plan says by how much
+        best = best if math.isfinite(best) else unfit
         return Floor(best * _SLACK, peak[m > 1] * _SLACK)
 
-    def _recompute(self, mesh: Mesh, k: int, flight: tuple) -> tuple[float, float]:
+    def _recompute(self, mesh: Mesh, k: int, flight: tuple) -> tuple[float, float, float]:
         """(the least sum over stages of the microbatches in ``flight`` times what their units keep without
-        recompute, over every stage cut; the least recompute seconds per byte it frees), at the mesh's
-        tp and cp and k (module docstring); (0, 0) where not known (k > 2, no repeated blocks)."""
+        recompute, over every stage cut; the least recompute seconds per byte it frees; the same least
+        sum with each unit at the least it keeps under any mode), at the mesh's tp and cp and k (module
+        docstring); (0, 0, 0) where not known (k > 2, no repeated blocks)."""
         if k > 2 or not self.one.units:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0
         on = self.one if k == 1 else self._second()[0]
         tp, cp = mesh.tp, mesh.cp
 
@@ -210,7 +220,10 @@ class RowFloors:
         ratio = self._kept(("rho", id(on), tp, cp), rho)
         least = self._kept(("flight", id(on), tp, cp, flight),
                            lambda: least_weighted(kept["none"] / (tp * cp), flight))
-        return least, ratio
+        lowest = self._kept(("flight recomputed", id(on), tp, cp, flight),
+                            lambda: least_weighted(np.minimum.reduce([kept[mode] for mode in MODES]) / (tp * cp),
+                                                   flight))
+        return least, ratio, lowest
 
     def _sync(self, mesh: Mesh):
         """Per ZeRO stage and offload the row may be planned at, the floors of its dp sync, update and cp

@@ -63,6 +63,25 @@ def test_no_fitting_plan_is_faster_than_its_floor(layers, batch, seq, world, bud
     assert len(ratios) > 15 and max(ratios) > 0.95   # many layouts fit, and the floors are close to some
 
 
+def test_a_zero_stage_that_cannot_fit_bounds_nothing():
+    """64 layers of 8192 on 64 H100s of 80 GiB, pp = 4: ZeRO-1's state alone is more than a rank holds, so
+    the layout's step floor is that of the stages that may fit (ZeRO-2, 3), whose gradient syncs every
+    microbatch make it several times ZeRO-1's; the plan, at ZeRO-2, is no faster."""
+    model = build("gpt2", device="meta", n_layer=64, n_embd=8192, n_head=64, block_size=8192)
+    knobs = dict(device="h100", precision="bf16", world_size=64, memory_budget=80 * 2**30, recompute="auto")
+    job = Job(model, example_inputs(model.config, 128, 8192, device="meta"), Request.of("auto", **knobs))
+    for mesh, m in ((Mesh(4, 4, 1, cp=4), 32), (Mesh(16, 4, 1), 8)):
+        floor = {}
+        for zero in ("auto", 1, 2, 3):
+            job.request = Request.of("auto", zero=zero, **knobs)
+            floor[zero] = RowFloors(job, 1)(mesh, m, "1F1B", 1).step
+        job.request = Request.of("auto", zero="auto", **knobs)
+        plan = choose_offload(job, mesh, m, zero="auto", offload="none", prune=True)
+        assert plan.choices.zero >= 2 and plan.peak_memory <= job.request.limit
+        assert floor["auto"] == min(floor[2], floor[3]) > 1.2 * floor[1], (mesh, floor)
+        assert floor["auto"] <= plan.step_time
+
+
 def test_the_cut_searches_against_brute_force():
     rng = np.random.default_rng(0)
     for _ in range(150):
