@@ -151,17 +151,18 @@ def state_bytes_per_param_byte(mesh, zero: int, working_copy: float = 0.0, offlo
     return per.weights + per.grads + per.optimizer
 
 
-def state_floor(param_bytes: float, mesh, zero: int, working_copy: float, microbatches: int, stages: int) -> float:
-    """A lower bound of a plan's peak bytes per device (``param_state``'s terms summed over its
-    ``stages``), before its strategies and stage cut are known, from ``param_bytes``, the model's
-    parameter bytes at least one rank's shards add up to (full / tp): each parameter's local
-    shard is at least 1/tp of it and the stages together hold every parameter, so the fullest of
-    the ``stages`` holds at least 1/stages of it times the weights and optimizer state per byte
-    (``state_bytes``), and the gradients too with several microbatches or a gradient buffer
-    (gathered weights, activations and the transient are >= 0)."""
+def state_floor(param_bytes: float, mesh, zero: int, working_copy: float, microbatches: int, ranks: int) -> float:
+    """A lower bound of a plan's peak bytes per device (``param_state``'s terms summed over the
+    stages of its fullest pipeline rank, of ``ranks``), before its strategies and stage cut are
+    known, from ``param_bytes``, the model's parameter bytes at least one rank's shards add up to
+    (full / tp): each parameter's local shard is at least 1/tp of it and the ranks' stages together
+    hold every parameter (a rank holds all its virtual stages at once), so the fullest rank holds
+    at least 1/ranks of it times the weights and optimizer state per byte (``state_bytes``), and
+    the gradients too with several microbatches or a gradient buffer (gathered weights, activations
+    and the transient are >= 0)."""
     per = state_bytes(zero, state_shards(mesh, zero, working_copy), working_copy)
     held = per.grads if microbatches > 1 or per.buffered else 0.0
-    return param_bytes * (per.weights + per.optimizer + held) / stages
+    return param_bytes * (per.weights + per.optimizer + held) / ranks
 
 
 def param_state(cap, strategies, fqns, tp: int, dp: int, zero: int, working_copy: float, offload: bool = False,

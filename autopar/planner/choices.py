@@ -101,20 +101,22 @@ def _each_choice(choices, decide_at, *, blame=None, quiet: bool = False) -> tupl
     return tried, failed
 
 
-def choose_offload(job: Job, mesh: Mesh, microbatches: int, *, zero, offload, prune: bool = False) -> Candidate:
+def choose_offload(job: Job, mesh: Mesh, microbatches: int, *, zero, offload, prune: bool = False,
+                   step_floors=None) -> Candidate:
     """``choose_zero`` at ``offload``: "none", "optimizer" (everything offloaded) or a fraction (that
     share of the optimizer state on the host, in whole units, ``planner.offload_split``). For
     offload="auto": nothing offloaded where the plan fits the memory without it; else, at each ZeRO
     stage, the split of fastest step that fits the device and the host, chosen together with
     recompute (``_split``); the choice and the alternatives priced are said in the plan's notes. A
-    given plan keeps its own choice. ``prune``: as ``choose_zero``'s."""
+    given plan keeps its own choice. ``prune``, ``step_floors``: as ``choose_zero``'s."""
     req = job.request
     if offload != "auto" or req.given is not None:
         return choose_zero(job, mesh, microbatches, zero=zero, offload="none" if offload == "auto" else offload,
-                           prune=prune)
+                           prune=prune, step_floors=step_floors)
     # a choice fails with no plan within the budget, offload not possible here or not priced on this device
     tried, failed = _each_choice(["none"], lambda where: choose_zero(job, mesh, microbatches, zero=zero, offload=where,
-                                                                     prune=prune), quiet=True)
+                                                                     prune=prune, step_floors=step_floors),
+                                 quiet=True)
     if not (tried and tried["none"].peak_memory <= req.limit):
         more, worse = _each_choice(["split"], lambda where: choose_zero(job, mesh, microbatches, zero=zero,
                                                                         offload=where, prune=prune),
@@ -241,14 +243,17 @@ def split_note(cand: Candidate, order, k: int, req) -> str:
             f"step {cand.step_time * 1e3:.3f} ms at a peak of {cand.peak_memory / gib:.2f} GiB")
 
 
-def choose_zero(job: Job, mesh: Mesh, microbatches: int, *, zero, offload, prune: bool = False) -> Candidate:
+def choose_zero(job: Job, mesh: Mesh, microbatches: int, *, zero, offload, prune: bool = False,
+                step_floors=None) -> Candidate:
     """The candidate at ``zero``; for zero="auto", at every ZeRO stage dp can shard, keeping the fastest
     that fits the memory, else the one with the least peak. A given plan keeps its own stage.
 
     ``prune`` (the mesh ranking, which plans its winner again without it): a stage whose floors
     (``zero_floors``) show it cannot be chosen is not planned (``_pruned``), so the choice, and
     every figure of the candidate returned, is the one planning every stage gives; only the note
-    listing the stages is shorter."""
+    listing the stages is shorter. ``step_floors``: {stage: a floor of the step of its plans that
+    fit, without offload} (the ranking's ``planner.floors.RowFloors.zero_steps``), raising the
+    floors ``zero_floors`` derives."""
     req = job.request
     if zero != "auto" or req.given is not None:
         return _offloaded(job, mesh, microbatches, 0 if zero == "auto" else zero, offload)
@@ -256,7 +261,7 @@ def choose_zero(job: Job, mesh: Mesh, microbatches: int, *, zero, offload, prune
 
     def at(z):
         return _offloaded(job, mesh, microbatches, z, offload)
-    floors = zero_floors(job, mesh, microbatches, offload, stages) if prune else None
+    floors = zero_floors(job, mesh, microbatches, offload, stages, step_floors) if prune else None
     # a stage fails with no plan within the budget (the ILP's, the stage DP's)
     tried = list((_each_choice(stages, at)[0] if floors is None else _pruned(job, mesh, stages, floors, at)).values())
     fits = [d for d in tried if d.peak_memory <= req.limit]
@@ -277,9 +282,10 @@ def _pruned(job: Job, mesh: Mesh, stages, floors: dict, at) -> dict:
     budget) nor have the least peak. With pipeline stages, a stage whose peak floor is above the
     budget has no stage cut within it (``cut_cannot_fit``) and its plan raises: it is not planned,
     but for the last stage, whose error is the one raised when no stage has a plan. The stages
-    that may fit are planned first, then the others by their peak floors, least first."""
+    that may fit are planned first, least step floor first (the fastest found early rules out
+    more), then the others by their peak floors, least first."""
     limit, tried, failed = job.request.limit, {}, {}
-    for z in sorted(stages, key=lambda z: (floors[z][0] > limit, max(floors[z][0], limit))):
+    for z in sorted(stages, key=lambda z: (floors[z][0] > limit, max(floors[z][0], limit), floors[z][1])):
         peak_floor, step_floor = floors[z]
         fitting = [d.step_time for d in tried.values() if d.peak_memory <= limit]
         if fitting and (peak_floor > limit or step_floor > min(fitting)):
@@ -307,10 +313,11 @@ def cut_cannot_fit(mesh: Mesh, peak_floor: float, limit: float, stages) -> bool:
     return mesh.pp > 1 and stages is None and peak_floor > limit * (1 + 1e-6)
 
 
-def zero_floors(job: Job, mesh: Mesh, microbatches: int, offload: str, choices) -> dict | None:
+def zero_floors(job: Job, mesh: Mesh, microbatches: int, offload: str, choices, step_floors=None) -> dict | None:
     """Per ZeRO stage, floors of its plan's peak bytes and step seconds that hold for any strategies
     and stage cut (``cost_model.state.state_floor``, ``cost_model.step.zero_sync_floor``; 0 where no
-    step floor is priced), for ``choose_zero`` to skip the stages that cannot be chosen; None where
+    step floor is priced; the larger of it and ``step_floors[stage]`` where given), for
+    ``choose_zero`` to skip the stages that cannot be chosen; None where
     these floors are not derived (the optimizer offloaded, a given plan), and nothing is skipped.
     They hold at cp > 1 too: cp divides activations and per-token terms, never the weights, their
     state or the dp sync that the floors bound. Both are lowered by a relative 1e-9, so that
@@ -321,15 +328,14 @@ def zero_floors(job: Job, mesh: Mesh, microbatches: int, offload: str, choices) 
     cap = retyped(job.capture_at(mesh, microbatches), req.precision)
     full = sum(math.prod(p.meta["val"].shape) * p.meta["val"].element_size() for p in cap.params.values())
     working_copy = working_copy_ratio(cap)
-    n_stages = mesh.pp * req.virtual if mesh.pp > 1 else 1
     shard = full / mesh.tp   # every parameter's local shard holds at least 1/tp of it
     slack = 1 - 1e-9
     out = {}
     for z in choices:
         step = zero_sync_floor(shard / mesh.pp, mesh, req.device, z, req.gpus_per_node, microbatches=microbatches,
                                gathered=working_copy or 1.0)
-        out[z] = (state_floor(shard, mesh, z, working_copy, microbatches, n_stages) * slack,
-                  0.0 if step is None else step * slack)
+        out[z] = (state_floor(shard, mesh, z, working_copy, microbatches, mesh.pp) * slack,
+                  max(0.0 if step is None else step * slack, (step_floors or {}).get(z, 0.0)))
     return out
 
 
@@ -438,12 +444,14 @@ def auto_mesh(job: Job) -> tuple[Mesh, int, tuple[str, ...]]:
         return jobs[schedule, virtual]
 
     def candidate(mesh: Mesh, m: int, schedule: str, virtual: int) -> Candidate:
-        return choose_offload(scheduled(schedule, virtual), mesh, m, zero=req.zero, offload=req.offload, prune=True)
+        return choose_offload(scheduled(schedule, virtual), mesh, m, zero=req.zero, offload=req.offload, prune=True,
+                              step_floors=bound.zero_steps(mesh, m, schedule, virtual))
+    bound = RowFloors(job, 1)
     options, context = rank_meshes(req.world_size, job.example_inputs, price=candidate, capture=job.capture,
                                    memory_budget=req.limit, gpus_per_node=req.gpus_per_node,
                                    hsdp=req.zero == "auto" or req.zero in (1, 2, 3),   # ZeRO shards dp_shard
                                    sequence_parallel=req.sequence_parallel, schedule=req.schedule,
-                                   virtual=req.virtual_stages, bound=RowFloors(job, 1))
+                                   virtual=req.virtual_stages, bound=bound)
     table = ranking_table(options, context=context)
     best = options[0]
     if not best.fits:

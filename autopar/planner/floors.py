@@ -149,6 +149,22 @@ class RowFloors:
         self._memo: dict = {}
 
     def __call__(self, mesh: Mesh, microbatches: int, schedule: str, virtual: int) -> Floor:
+        steps, peak = self._steps(mesh, microbatches, schedule, virtual)
+        fitting = [step for step, fits in steps.values() if fits]
+        # where none can fit, the least over all of them: the layout is planned, and its plan says by how much
+        best = min(fitting) if fitting else min(step for step, _ in steps.values())
+        return Floor(best * _SLACK, peak * _SLACK)
+
+    def zero_steps(self, mesh: Mesh, microbatches: int, schedule: str, virtual: int) -> dict[int, float]:
+        """Per ZeRO stage the layout may be planned at without offload, the floor of the step of its
+        plans that fit (inf where none can), for ``choices.choose_zero`` to skip the stages that
+        cannot be the fastest."""
+        steps, _ = self._steps(mesh, microbatches, schedule, virtual)
+        return {z: step * _SLACK if fits else math.inf for (z, o), (step, fits) in steps.items() if o == "none"}
+
+    def _steps(self, mesh: Mesh, microbatches: int, schedule: str, virtual: int) -> tuple[dict, float]:
+        """({(zero, offload): (step floor, whether a plan at them may fit)}, the peak floor) of a layout
+        (module docstring), before the slack."""
         m, p = microbatches, mesh.pp
         k = self.batch // (mesh.dp * m) // self.s0
         flat, units, cuts = self._times(mesh, k)
@@ -166,22 +182,17 @@ class RowFloors:
                 busiest = self._kept(("busiest", mesh.tp, k, p), lambda: busiest_rank(units, p))
                 compute = m * max(work / p, busiest) + (p - 1) * slowest
             flight = inflight_microbatches(p, m, virtual, schedule)
-        fixed, per_microbatch, peak, state = self._kept(("sync", mesh), lambda: self._sync(mesh))
+        keys, fixed, per_microbatch, peak, state = self._kept(("sync", mesh), lambda: self._sync(mesh))
         kept, rho, least = self._recompute(mesh, k, flight)
         attention = m * self._attention_floor(mesh, k)
-        best = unfit = math.inf
-        for f, g, held in zip(fixed, per_microbatch, state[m > 1]):
+        out = {}
+        for key, f, g, held in zip(keys, fixed, per_microbatch, state[m > 1]):
             # the recomputed forwards every fitting plan runs at least (module docstring)
             again = rho * max(0.0, held * p + kept - p * self.req.limit) / max(flight)
             total = max(compute, m * (work + again) / p) if p > 1 else compute + m * again
-            step = total / mesh.cp + f + m * g + attention
-            if held * p + least <= p * self.req.limit:
-                best = min(best, step)
-            else:   # no plan at this ZeRO stage and offload fits, recomputing all it can (module docstring)
-                unfit = min(unfit, step)
-        # where none can fit, the least over all of them: the layout is planned, and its plan says by how much
-        best = best if math.isfinite(best) else unfit
-        return Floor(best * _SLACK, peak[m > 1] * _SLACK)
+            # no plan fits where the state and the least any recompute keeps do not (module docstring)
+            out[key] = (total / mesh.cp + f + m * g + attention, held * p + least <= p * self.req.limit)
+        return out, peak[m > 1]
 
     def _recompute(self, mesh: Mesh, k: int, flight: tuple) -> tuple[float, float, float]:
         """(the least sum over stages of the microbatches in ``flight`` times what their units keep without
@@ -226,16 +237,16 @@ class RowFloors:
         return least, ratio, lowest
 
     def _sync(self, mesh: Mesh):
-        """Per ZeRO stage and offload the row may be planned at, the floors of its dp sync, update and cp
-        gradient sync: their seconds per step and per microbatch; the least peak floor with one
-        microbatch and with several; and each one's parameter state floor per pipeline rank, with one
-        microbatch and with several (module docstring)."""
+        """The (ZeRO stage, offload) pairs the row may be planned at; per pair, the floors of its dp sync,
+        update and cp gradient sync: their seconds per step and per microbatch; the least peak floor
+        with one microbatch and with several; and per pair its parameter state floor per pipeline
+        rank, with one microbatch and with several (module docstring)."""
         req, gpn = self.req, self.req.gpus_per_node
         shard = self.param_bytes / (mesh.tp * mesh.pp)
         zeros = (0, 1, 2, 3) if req.zero == "auto" and mesh.dp_shard > 1 else \
             (0,) if req.zero == "auto" else (zero_on_mesh(req.zero, mesh)[0],)
         offloads = ("none", "optimizer") if req.offload == "auto" else (req.offload,)
-        fixed, per_microbatch, one, several = [], [], [], []
+        keys, fixed, per_microbatch, one, several = [], [], [], [], []
         for z in zeros:
             dp, each = 0.0, 0.0
             if z >= 2:   # per microbatch: the floor at one, times m (``zero_sync_floor``)
@@ -249,6 +260,7 @@ class RowFloors:
                     each += collective_time("all_reduce", 8, mesh.cp, req.device, inter)
             for o in offloads:
                 offload = o != "none"
+                keys.append((z, o))
                 # the device's part alone: a partial offload's host may hide behind the kept units'
                 # AdamW or the next step (``cost_model.offload.update_split``), so its exposure floors at 0
                 fixed.append(dp + update_terms(shard, mesh, req.device, z, self.wc > 0, offload=offload)[0])
@@ -256,7 +268,7 @@ class RowFloors:
                 per = state_bytes(z, state_shards(mesh, z, self.wc, offload), self.wc, offload)
                 one.append(shard * (per.weights + per.optimizer + (per.grads if per.buffered else 0.0)))
                 several.append(shard * (per.weights + per.optimizer + per.grads))
-        return fixed, per_microbatch, (min(one), min(several)), (one, several)
+        return keys, fixed, per_microbatch, (min(one), min(several)), (one, several)
 
     def _kept(self, key, compute):
         if key not in self._memo:

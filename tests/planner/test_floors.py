@@ -82,6 +82,58 @@ def test_a_zero_stage_that_cannot_fit_bounds_nothing():
         assert floor["auto"] <= plan.step_time
 
 
+def test_the_rankings_step_floors_skip_zero_stages_and_keep_the_choice(monkeypatch):
+    """48 layers of 8192 on 64 H100s: with the layout's per-stage step floors (``RowFloors.zero_steps``),
+    ``choose_zero`` skips ZeRO-2 and 3, whose gradient syncs every microbatch make them slower than the
+    ZeRO-1 plan found first, which its own floors (the syncs alone) cannot rule out; the choice and
+    its figures are those of planning every stage, and no stage's plan that fits beats its floor."""
+    from autopar.planner import choices
+
+    model = build("gpt2", device="meta", n_layer=48, n_embd=8192, n_head=64, block_size=8192)
+    knobs = dict(device="h100", precision="bf16", world_size=64, memory_budget=80 * 2**30, recompute="auto")
+    job = Job(model, example_inputs(model.config, 128, 8192, device="meta"), Request.of("auto", zero="auto", **knobs))
+    bound = RowFloors(job, 1)
+    price, planned = choices.price, []
+    monkeypatch.setattr(choices, "price", lambda j, mesh, m, z, o: planned.append(z) or price(j, mesh, m, z, o))
+    for mesh, m in ((Mesh(8, 2, 4), 8), (Mesh(4, 8, 2), 16)):
+        steps = bound.zero_steps(mesh, m, "1F1B", 1)
+        outcome = {}
+        for name, knob in (("all", {}), ("own floors", dict(prune=True)),
+                           ("ranking's floors", dict(prune=True, step_floors=steps))):
+            planned.clear()
+            c = choices.choose_zero(job, mesh, m, zero="auto", offload="none", **knob)
+            outcome[name] = (c.choices.zero, c.step_time, c.peak_memory), set(planned)
+        assert outcome["all"][0] == outcome["own floors"][0] == outcome["ranking's floors"][0], mesh
+        assert outcome["ranking's floors"][1] < outcome["own floors"][1] and {2, 3}.isdisjoint(
+            outcome["ranking's floors"][1]), (mesh, outcome)
+        for z in (0, 1, 2, 3):
+            try:
+                one = price(job, mesh, m, z, "none")
+            except ValueError:
+                continue
+            if one.peak_memory <= job.request.limit:
+                assert steps[z] <= one.step_time, (mesh, z)
+
+
+def test_zero_peak_floors_count_a_ranks_virtual_stages_together():
+    """A pipeline rank holds all its virtual stages at once: ZeRO's peak floors (``zero_floors``) are the
+    same at 1 and 2 virtual stages per rank, and below every plan's peak at 2."""
+    from autopar.planner.choices import _Scheduled, price, zero_floors
+
+    model = build("gpt2", device="meta", n_layer=48, n_embd=8192, n_head=64, block_size=8192)
+    knobs = dict(device="h100", precision="bf16", world_size=64, memory_budget=80 * 2**30, recompute="auto")
+    job = Job(model, example_inputs(model.config, 128, 8192, device="meta"), Request.of("auto", zero="auto", **knobs))
+    mesh, m = Mesh(4, 8, 2), 16
+    interleaved = _Scheduled(job, "Interleaved1F1B", 2)
+    floors = zero_floors(interleaved, mesh, m, "none", (0, 1, 2, 3))
+    assert floors == zero_floors(job, mesh, m, "none", (0, 1, 2, 3))
+    for z in (0, 1, 2, 3):
+        try:
+            assert floors[z][0] <= price(interleaved, mesh, m, z, "none").peak_memory, z
+        except ValueError:   # no cut within the budget: its floor is below what it needs
+            continue
+
+
 def test_the_cut_searches_against_brute_force():
     rng = np.random.default_rng(0)
     for _ in range(150):
