@@ -154,15 +154,17 @@ def _plumbing(node) -> bool:
 
 
 def _source(node):
-    """The graph input a gather's operand is a view or copy of, or None."""
+    """The value a gather's operand is a view or copy of: a graph input (a weight's shard) or an op's
+    output (an activation's sequence shard)."""
     while node.op == "call_function" and _plumbing(node):
         node = node.all_input_nodes[0]
-    return node if node.op == "placeholder" else None
+    return node
 
 
 def regather_in_backward(graph: torch.fx.Graph) -> None:
-    """Joint-graph pass: every all-gather of a parameter shard that the backward gathers again
-    (ZeRO-3's ``sharded_linear``) is recomputed in the backward instead of saved from the forward.
+    """Joint-graph pass: every all-gather of a shard that the backward gathers again (a weight's,
+    ZeRO-3's ``sharded_linear``; an activation's sequence shard, ``gathered_linear``) is recomputed
+    in the backward instead of saved from the forward.
 
     AOTAutograd's partitioner never recomputes a collective by itself: a re-gather needs no
     gradient, so it would run in the forward graph, and its CSE merges it with the forward's
@@ -170,7 +172,8 @@ def regather_in_backward(graph: torch.fx.Graph) -> None:
     (ZeRO-2's memory, not 3's). Marking those gathers and their waits ``MUST_RECOMPUTE`` (as
     activation checkpointing's policies mark ops) keeps only the shard, and puts the re-gather in
     the backward graph, where the overlap passes can launch it early. Gathers of shards the
-    backward does not re-gather (ZeRO-2, norms, biases) are left to be kept."""
+    backward does not re-gather (ZeRO-2, norms, biases, the input of a sequence-parallel linear
+    that the plan keeps whole) are left to be kept."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     gather = torch.ops._c10d_functional.all_gather_into_tensor.default
@@ -196,7 +199,7 @@ def regather_in_backward(graph: torch.fx.Graph) -> None:
 
     by_source: dict = {}
     for n in graph.nodes:
-        if n.target is gather and _source(n.args[0]) is not None:
+        if n.target is gather:
             by_source.setdefault(_source(n.args[0]), []).append((n, *downstream(n)))
     for gathers in by_source.values():
         if all(forward for _, _, forward in gathers):

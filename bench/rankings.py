@@ -52,11 +52,14 @@ CASES = {
 
 
 def build_model(name: str, seq: int):
-    """The model of a case on the meta device: a Hugging Face Llama of ``LLAMA``'s shape, or a GPT config."""
+    """The model of a case on the meta device: a Hugging Face Llama of ``LLAMA``'s shape ("llama-8b:8":
+    its first 8 layers), or a GPT config."""
     if name.startswith("llama-"):
         from transformers import LlamaConfig, LlamaForCausalLM
+        size, _, layers = name.split("-")[1].partition(":")
+        shape = {**LLAMA[size], **({"num_hidden_layers": int(layers)} if layers else {})}
         cfg = LlamaConfig(vocab_size=128256, num_key_value_heads=8, max_position_embeddings=seq,
-                          rope_theta=500000.0, **LLAMA[name.split("-")[1]])
+                          rope_theta=500000.0, **shape)
         with torch.device("meta"):
             return autopar.hf.causal_lm_loss(LlamaForCausalLM(cfg))
     return build(name, device="meta")

@@ -48,6 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench/rankings.py's
 CASES = {
     "tiny": ("tiny", {"dp": 2, "pp": 2, "tp": 2}, 8, 32, dict(precision="bf16")),   # a smoke test, seconds
     "8b-tp8": ("llama-8b", (1, 1, 8), 8, 8192, dict(precision="bf16", recompute="auto", memory_budget="76GiB")),
+    # its first 8 and 16 layers: where 8b-tp8 outgrows its plan, the two give the figures per layer
+    "8b-tp8-8l": ("llama-8b:8", (1, 1, 8), 8, 8192, dict(precision="bf16", recompute="auto", memory_budget="76GiB")),
+    "8b-tp8-16l": ("llama-8b:16", (1, 1, 8), 8, 8192, dict(precision="bf16", recompute="auto", memory_budget="76GiB")),
     "8b-zero3": ("llama-8b", (8, 1, 1), 8, 8192, dict(zero=3, precision="bf16")),
     "8b-cp2-ring": ("llama-8b", {"dp": 4, "cp": 2}, 4, 65536, dict(precision="bf16", zero=3, cp_attention="ring", recompute="full")),
     "175b": ("gpt3-175b", (8, 16, 4), 1536, 2048, dict(precision="bf16", zero=1)),

@@ -140,8 +140,9 @@ class Program:
 
     @property
     def regather(self) -> bool:
-        """ZeRO-3: the backward gathers the weights again (``compiler.lower``)."""
-        return self.plan.zero == 3
+        """The backward gathers again what the forward gathered (``compiler.lower``): ZeRO-3's weights,
+        and the sequence shards of the linears the plan marks ``regather`` (Megatron's storage rule)."""
+        return self.plan.zero == 3 or any(n.regather for n in self.plan.nodes)
 
     @property
     def main_grads(self) -> bool:
