@@ -199,7 +199,7 @@ def regather_in_backward(graph: torch.fx.Graph) -> None:
 
     by_source: dict = {}
     for n in graph.nodes:
-        if n.target is gather:
+        if n.target is gather and _source(n.args[0]) not in needs_grad:   # not a gradient's (backward's own)
             by_source.setdefault(_source(n.args[0]), []).append((n, *downstream(n)))
     for gathers in by_source.values():
         if all(forward for _, _, forward in gathers):
