@@ -2,12 +2,13 @@
 on the meta device, run under a world whose collectives move no data. The collectives it issues
 are the plan's (ZeRO-3 over 4 ranks, Megatron's tp over 4, and both pipeline ranks of a (1, 2, 2)
 mesh, whose tp collectives add up to the plan's; ZeRO-3's per phase too, its backward re-gather with
-units kept gathered or none), only the rank's shards are made (their bytes are the
+units kept gathered or none; a sequence-parallel linear's re-gather), only the rank's shards are made (their bytes are the
 plan's), the report round-trips through JSON and shows in the summary and the HTML view, and bad
 input fails with a sentence: a rank outside the world, a rank that does not fit the device, a plan
 priced for another chip. The CLI runs one."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
@@ -94,6 +95,26 @@ def test_tp_rank_issues_exactly_the_plans_collectives():
     (r,) = _rehearsed((1, 1, 4), rank=2, plan="megatron").rehearsals
     assert r.coords == "tp 2"
     assert _issued(r) == _planned(r) and len(_issued(r)) == 3
+
+
+# Megatron's storage rule, compiled: the column-parallel linears a plan marks ``regather`` keep their input's
+# sequence shard and gather it again in the backward (AOTAutograd would merge the gathers and keep the whole
+# input: the plan's memory, not the run's); one more backward gather each, less memory, as the plan says
+def test_sequence_parallel_linears_marked_regather_keep_the_shard_when_compiled():
+    x = example_inputs(TINY, BATCH, SEQ, device="meta")
+    base = autopar.plan(_meta_model(), (1, 1, 4), x, device="cpu", plan="megatron", sequence_parallel=True)
+    edited = dataclasses.replace(base, nodes=tuple(
+        dataclasses.replace(n, regather=n.op == "aten.linear.default" and n.module.endswith(("c_attn", "c_fc")))
+        for n in base.nodes))
+    (whole,), (kept,) = (autopar.rehearse(_meta_model(), (1, 1, 4), x, rank=1, plan=p, **FAST).rehearsals
+                         for p in (base, edited))
+    marked = sum(n.regather for n in edited.nodes)
+    assert marked == 2 * TINY.n_layer
+    backward = {r: sum(c.count for c in r.collectives if (c.kind, c.axis, c.phase) == ("all_gather", "tp", "bwd"))
+                for r in (whole, kept)}
+    assert backward[kept] == backward[whole] + marked
+    assert all(c.agrees for c in kept.collectives if c.planned_count)
+    assert kept.peak_bytes < whole.peak_bytes and kept.memory_ratio == pytest.approx(1, abs=0.05)
 
 
 # a plan records the whole model's collectives; a pipeline rank is compared with its stages' and its share
