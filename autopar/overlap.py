@@ -199,8 +199,9 @@ def regather_in_backward(graph: torch.fx.Graph) -> None:
 
     by_source: dict = {}
     for n in graph.nodes:
-        if n.target is gather and _source(n.args[0]) not in needs_grad:   # not a gradient's (backward's own)
-            by_source.setdefault(_source(n.args[0]), []).append((n, *downstream(n)))
+        source = _source(n.args[0]) if n.target is gather else None
+        if source is not None and source not in needs_grad:   # not a gradient's (the backward's own gathers)
+            by_source.setdefault(source, []).append((n, *downstream(n)))
     for gathers in by_source.values():
         if all(forward for _, _, forward in gathers):
             continue   # no re-gather of this shard: the weight is kept (ZeRO-2's, or one gathered once)

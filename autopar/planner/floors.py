@@ -164,7 +164,11 @@ class RowFloors:
 
     def _steps(self, mesh: Mesh, microbatches: int, schedule: str, virtual: int) -> tuple[dict, float]:
         """({(zero, offload): (step floor, whether a plan at them may fit)}, the peak floor) of a layout
-        (module docstring), before the slack."""
+        (module docstring), before the slack; once per layout (the ranking and its ZeRO choice ask)."""
+        return self._kept(("steps", mesh, microbatches, schedule, virtual),
+                          lambda: self._layout_steps(mesh, microbatches, schedule, virtual))
+
+    def _layout_steps(self, mesh: Mesh, microbatches: int, schedule: str, virtual: int) -> tuple[dict, float]:
         m, p = microbatches, mesh.pp
         k = self.batch // (mesh.dp * m) // self.s0
         flat, units, cuts = self._times(mesh, k)
@@ -183,7 +187,7 @@ class RowFloors:
                 compute = m * max(work / p, busiest) + (p - 1) * slowest
             flight = inflight_microbatches(p, m, virtual, schedule)
         keys, fixed, per_microbatch, peak, state = self._kept(("sync", mesh), lambda: self._sync(mesh))
-        kept, rho, least = self._recompute(mesh, k, flight)
+        kept, rho, recomputed = self._recompute(mesh, k, flight)
         attention = m * self._attention_floor(mesh, k)
         out = {}
         for key, f, g, held in zip(keys, fixed, per_microbatch, state[m > 1]):
@@ -191,7 +195,7 @@ class RowFloors:
             again = rho * max(0.0, held * p + kept - p * self.req.limit) / max(flight)
             total = max(compute, m * (work + again) / p) if p > 1 else compute + m * again
             # no plan fits where the state and the least any recompute keeps do not (module docstring)
-            out[key] = (total / mesh.cp + f + m * g + attention, held * p + least <= p * self.req.limit)
+            out[key] = (total / mesh.cp + f + m * g + attention, held * p + recomputed <= p * self.req.limit)
         return out, peak[m > 1]
 
     def _recompute(self, mesh: Mesh, k: int, flight: tuple) -> tuple[float, float, float]:
@@ -231,10 +235,10 @@ class RowFloors:
         ratio = self._kept(("rho", id(on), tp, cp), rho)
         least = self._kept(("flight", id(on), tp, cp, flight),
                            lambda: least_weighted(kept["none"] / (tp * cp), flight))
-        lowest = self._kept(("flight recomputed", id(on), tp, cp, flight),
-                            lambda: least_weighted(np.minimum.reduce([kept[mode] for mode in MODES]) / (tp * cp),
-                                                   flight))
-        return least, ratio, lowest
+        recomputed = self._kept(("flight recomputed", id(on), tp, cp, flight),
+                                lambda: least_weighted(np.minimum.reduce([kept[mode] for mode in MODES]) / (tp * cp),
+                                                       flight))
+        return least, ratio, recomputed
 
     def _sync(self, mesh: Mesh):
         """The (ZeRO stage, offload) pairs the row may be planned at; per pair, the floors of its dp sync,
