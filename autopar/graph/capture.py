@@ -10,8 +10,9 @@ placement and its gradient sums every use.
 A few rewrites make library models (Hugging Face GPT-2, Llama) look like that too:
 code export wrapped in a submodule (under ``torch.no_grad()`` or a disabled autocast)
 is inlined; ``addmm(b, x, w)`` (GPT-2's Conv1D) becomes ``add(mm(x, w), b)`` as linear
-biases do; ``_assert_tensor_metadata`` checks and casts that change nothing go; and
-values that depend on no input and no parameter (position ids, the causal mask, rotary
+biases do; ``_assert_tensor_metadata`` checks and casts that change nothing go; an attention
+mask proven to be the causal pattern becomes sdpa's ``is_causal=True`` (``graph.causal_mask``:
+flash attention, no (s x s) mask); and values that depend on no input and no parameter (position ids, the causal mask, rotary
 tables) are recomputed inside every layer that uses them, so the layers stay identical
 and pipeline stages never send them.
 
@@ -37,6 +38,8 @@ import torch
 from torch.export.graph_signature import InputKind
 from torch.fx import Graph, GraphModule, Node, map_arg
 from torch.fx._lazy_graph_module import _LazyGraphModule
+
+from autopar.graph.causal_mask import causal_mask_pass
 
 aten = torch.ops.aten
 
@@ -251,6 +254,7 @@ def _export(model: torch.nn.Module, example_inputs: tuple, dynamic_shapes=None, 
     _drop_identity_casts(gm)
     _split_linear_bias(gm)
     _split_addmm_bias(gm)
+    causal_mask_pass(gm)
     _constants_per_layer(gm)
     gm.graph.lint()
     gm.recompile()
