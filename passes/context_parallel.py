@@ -134,6 +134,20 @@ def ring_refusal(gm: GraphModule) -> str | None:
     return None
 
 
+def ring_unfused(gm: GraphModule) -> str | None:
+    """Where ring attention would run ``gm``'s attention unfused (a sentence naming the module), None where
+    every block is fused: an attention with a mask (one capture did not prove causal) computes each
+    block in fp32 with its scores whole (``collectives.fused_blocks``), which the cost model does not price."""
+    for n in gm.graph.nodes:
+        if n.target is aten.scaled_dot_product_attention.default:
+            mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+            if mask is not None:
+                return (f"the attention in {_where(n)} takes a mask other than the causal pattern (a window, "
+                        "a bias), so ring attention would compute its blocks unfused, in fp32 with their scores "
+                        "whole, which the plan does not price")
+    return None
+
+
 def cp_cuts(gm: GraphModule) -> dict[str, str]:
     """The nodes ``cp_pass`` made to cut whole values to the rank's chunks, by name, each with the
     name of the first node using it: where a pipeline stage split puts it (later passes keep the

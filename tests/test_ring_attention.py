@@ -221,6 +221,46 @@ def test_bad_cp_attention():
     assert plan.cp_attention == "allgather" and any("ring attention cannot run here" in n for n in plan.notes)
 
 
+class Windowed(torch.nn.Module):
+    """One attention layer whose mask it builds itself from positions: causal within ``window`` tokens."""
+
+    def __init__(self, window: int, vocab=512, width=512, heads=8):
+        super().__init__()
+        self.window, self.heads = window, heads
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, idx, targets):
+        b, t = idx.shape
+        q, k, v = (x.view(b, t, self.heads, -1).transpose(1, 2) for x in self.qkv(self.emb(idx)).chunk(3, -1))
+        i = torch.arange(t, device=idx.device)
+        seen = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < self.window)   # (t, t)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=seen).transpose(1, 2).reshape(b, t, -1)
+        logits = self.head(y)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def test_a_masked_attention_takes_the_all_gather_and_ring_asked_for_warns():
+    """At 16k tokens ring would be chosen (as above); with a window shorter than the sequence the
+    ring's blocks would run unfused, unpriced: "auto" takes the all-gather and says why, "ring" warns.
+    A window as long as the sequence is the causal pattern, proven at capture: ring again."""
+    seq = LONG["seq"]
+    inputs = tuple(torch.zeros(1, seq, dtype=torch.long, device="meta") for _ in range(2))
+
+    def plan(window, **knobs):
+        with torch.device("meta"):
+            model = Windowed(window)
+        return autopar.plan(model, {"cp": 2}, inputs, device="h100", **knobs)
+    windowed = plan(1024)
+    assert windowed.cp_attention == "allgather"
+    assert any("lm" not in n and "takes a mask other than the causal pattern" in n for n in windowed.notes)
+    with pytest.warns(UserWarning, match=r"cp_attention='ring': the attention in the top level takes a mask"):
+        asked = plan(1024, cp_attention="ring")
+    assert asked.cp_attention == "ring"
+    assert plan(seq).cp_attention == "ring"
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_and_math_blocks_agree(causal):
     """A block as fused attention (the CPU's flash kernel, ``fused_blocks``' choice for unmasked blocks)

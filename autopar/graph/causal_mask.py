@@ -19,7 +19,8 @@ F(q, k) of small leaves, each identical over the batch and head dims (checked) a
 q, over k or neither (one over both: not proven). Per query row q, F is constant between
 consecutive *breakpoints* in k:
 - a comparison u(q) <op> v(k) with v monotone in k changes truth only where ``searchsorted(v, u)``
-  (left and right) lands;
+  (left and right) lands; integer sides that are sums of values over q alone and over k alone (a
+  window, q - k < w) are rearranged to that form first;
 - ``tril``/``triu`` of diagonal d change at k = q + d + 1 / q + d;
 - a value over k used otherwise (a boolean leaf, a ``where`` branch) changes where its k-vector
   does (at most ``MAX_STEPS`` places, else not proven);
@@ -49,6 +50,7 @@ _LOGIC = {aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.bit
 _SAME = {aten.expand.default, aten.alias.default, aten.clone.default, aten._to_copy.default, aten.to.dtype,
          aten.to.dtype_layout, aten.contiguous.default}
 _BAND = {aten.tril.default, aten.triu.default}
+_SUMS = {aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.neg.default, aten.rsub.Scalar}
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
              aten.squeeze.dim, aten.squeeze.default}
 _FILLED = {aten.ones.default: 1, aten.zeros.default: 0, aten.full.default: None, aten.new_ones.default: 1,
@@ -235,9 +237,8 @@ class _Points:
         q = torch.arange(self.sq)
         return self.at(x, q, torch.zeros_like(q))
 
-    def steps(self, x) -> torch.Tensor:
-        """The k where a value over k alone changes (and 0), as one column of breakpoints for every row."""
-        v = self.along_k(x)
+    def steps(self, v: torch.Tensor) -> torch.Tensor:
+        """The k where a vector over k changes, as one column of breakpoints for every row."""
         where = torch.nonzero(v[1:] != v[:-1]).flatten() + 1
         if where.numel() > MAX_STEPS:
             raise _Unproven
@@ -249,23 +250,39 @@ class _Points:
         if "k" not in deps:
             return []
         if deps == {"k"}:
-            return [self.steps(x)]
+            return [self.steps(self.along_k(x))]
         if not isinstance(x, _Lazy):
             raise _Unproven
         q = torch.arange(self.sq)
         if x.op in _BAND:
             d = x.args[1] if len(x.args) > 1 else x.kwargs.get("diagonal", 0)
             return [(q + d + (1 if x.op is aten.tril.default else 0)).reshape(-1, 1), *self.breakpoints(x.args[0])]
-        if x.op in _COMPARE and sorted(map(sorted, map(self.deps, x.args[:2]))) in ([[], ["k"]], [["k"], ["q"]]):
-            return self._threshold(*x.args[:2])
+        if x.op in _COMPARE:
+            found = self._threshold(*x.args[:2])
+            if found is not None:
+                return found
         # a pointwise op is constant where each of its operands is
         return [c for a in [*x.args, *x.kwargs.values()] for c in self.breakpoints(a)]
 
-    def _threshold(self, a, b) -> list[torch.Tensor]:
-        """Where u(q) <op> v(k) (either order) may change along row q: with v monotone, where u would be
-        inserted in v on its left and on its right; else where v changes."""
-        kside, other = (a, b) if self.deps(a) == {"k"} else (b, a)
-        v, u = self.along_k(kside), torch.as_tensor(self.along_q(other)).expand(self.sq)
+    def _threshold(self, a, b) -> list[torch.Tensor] | None:
+        """Where a <op> b may change along row q, when it is v(k) <op> u(q) for vectors v and u: with
+        v monotone, where u would be inserted in v on its left and on its right; else where v changes.
+        Either side over k and the other not, compared as they are; or integer sides that are sums of
+        values over q alone and over k alone, a - b = D(q, k) = D(0, k) - (D(0, 0) - D(q, 0)) exactly.
+        None where neither holds."""
+        da, db = self.deps(a), self.deps(b)
+        if "k" not in da & db and "q" not in (da if "k" in da else db):
+            kside, other = (a, b) if "k" in da else (b, a)
+            v, u = self.along_k(kside), torch.as_tensor(self.along_q(other)).expand(self.sq)
+        elif self._separable(a) and self._separable(b):
+            v = torch.as_tensor(self.along_k(a) - self.along_k(b)).expand(self.sk)
+            at0 = self.at(a, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)) - self.at(
+                b, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+            u = torch.as_tensor(at0 - (self.along_q(a) - self.along_q(b))).expand(self.sq)
+            if v.is_floating_point() or u.is_floating_point():
+                return None   # rounding would move the boundary
+        else:
+            return None
         common = torch.promote_types(v.dtype, u.dtype)
         common = common if common.is_floating_point else torch.long   # signed, so that it negates
         v, u = v.to(common), u.to(common)
@@ -273,10 +290,18 @@ class _Points:
             raise _Unproven
         rising = bool((v[1:] >= v[:-1]).all())
         if not rising and not bool((v[1:] <= v[:-1]).all()):
-            return [self.steps(kside)]
+            return [self.steps(v)]
         v, u = (v, u) if rising else (-v, -u)
         u = u.contiguous()
         return [torch.searchsorted(v, u).reshape(-1, 1), torch.searchsorted(v, u, right=True).reshape(-1, 1)]
+
+    def _separable(self, x) -> bool:
+        """Whether ``x`` is a sum of values over q alone and over k alone (adds, subtracts, negations)."""
+        if isinstance(x, _Lazy) and x.op in _SUMS and x.kwargs.get("alpha", 1) == 1:
+            return all(self._separable(a) for a in x.args)
+        if isinstance(x, _Lazy) and x.op in _SAME:
+            return self._separable(x.args[0])
+        return self.deps(x) != {"q", "k"}
 
 
 def _is_causal(value, shape: tuple) -> bool:

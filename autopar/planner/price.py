@@ -15,6 +15,7 @@ layers from a full stage rather than re-gather.)
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 from autopar.collectives import CP_ATTENTIONS
@@ -33,7 +34,7 @@ from autopar.graph.capture import Captured
 from autopar.graph.precision import retyped, working_copy_ratio
 from autopar.graph.units import find_blocks, layer_units, zero_units
 from autopar.mesh import Mesh
-from autopar.passes.context_parallel import check_context, ring_refusal
+from autopar.passes.context_parallel import check_context, ring_refusal, ring_unfused
 from autopar.planner.candidate import Candidate, Choices
 from autopar.planner.megatron import megatron_options
 from autopar.planner.recompute import choose_recompute, regions_for
@@ -397,16 +398,23 @@ def _cp_attention(knob: str, cap, strategies, mesh: Mesh, req) -> tuple[str, tup
     """The cp attention variant (``Plan.cp_attention``) and a note on its choice: the knob's (or the
     given plan's), or for "auto" the variant of lower exposed seconds
     (``cost_model.context.cp_attention_seconds``; ring on a tie, it keeps less), all-gather where
-    ring attention cannot run the graph (``ring_refusal``)."""
+    ring attention cannot run the graph (``ring_refusal``) or would run it unfused (``ring_unfused``:
+    "ring" asked for anyway is planned, with a warning)."""
     if mesh.cp == 1:
         return "allgather", ()
     refused = ring_refusal(cap.gm)
     if knob == "ring" and refused:
         raise PlanError(f"cp_attention='ring': {refused}; use cp_attention='allgather'")
+    unfused = ring_unfused(cap.gm)
+    if knob == "ring" and unfused:
+        note = f"cp_attention='ring': {unfused}; cp_attention='allgather' runs it fused"
+        warnings.warn(f"autopar: {note}", stacklevel=3)
+        return knob, (note,)
     if knob != "auto":
         return knob, ()
-    if refused:
-        return "allgather", (f"cp attention: allgather, as ring attention cannot run here ({refused})",)
+    if refused or unfused:
+        return "allgather", (f"cp attention: allgather, as ring attention cannot run here ({refused})" if refused
+                             else f"cp attention: allgather, as {unfused}",)
     seconds = {a: cp_attention_seconds(cap, strategies, mesh.cp, mesh.tp, req.device, req.gpus_per_node, a)
                for a in CP_ATTENTIONS}
     chosen = "ring" if seconds["ring"] <= seconds["allgather"] else "allgather"

@@ -43,8 +43,12 @@ MASKS = {   # name: (the mask from the sequence length and device, whether it is
                                | (torch.arange(B, device=dev) == 1).view(B, 1, 1, 1), False),
     "additive, a finite hide": (lambda t, dev: torch.where(_positions(t, dev)[1] <= _positions(t, dev)[0],
                                                            0.0, -1e4), False),
-    # q and k mixed in one value: proven through every change of the key positions (at most MAX_STEPS)
     "difference of positions": (lambda t, dev: (_positions(t, dev)[1] - _positions(t, dev)[0]) <= 0, True),
+    "window as a difference": (lambda t, dev: (_positions(t, dev)[1] <= _positions(t, dev)[0])
+                               & (_positions(t, dev)[0] - _positions(t, dev)[1] < 4), False),
+    # q and k mixed in floats (rounding): proven through every change of the key positions (at most MAX_STEPS)
+    "float difference of positions": (lambda t, dev: (_positions(t, dev)[1].float() - _positions(t, dev)[0])
+                                      <= 0, True),
 }
 
 
@@ -83,12 +87,18 @@ def test_only_the_causal_pattern_becomes_is_causal_and_the_output_is_unchanged(n
     torch.testing.assert_close(gm(*qkv)[0], before)
 
 
-def test_q_and_k_mixed_over_more_key_positions_than_it_follows_stays(monkeypatch):
+def test_q_and_k_mixed_in_floats_over_more_key_positions_than_it_follows_stays(monkeypatch):
     t = causal_mask.MAX_STEPS + 8
     monkeypatch.setattr(causal_mask, "LIMIT", t)   # the positions evaluated, the (t x t) difference kept as ops
-    gm, qkv = _traced(MASKS["difference of positions"][0], t=t)
+    gm, qkv = _traced(MASKS["float difference of positions"][0], t=t)
     causal_mask.causal_mask_pass(gm)
     assert _sdpa(gm).args[3] is not None
+    # in integers the difference is rearranged, k <= q, and proven at any length
+    gm, qkv = _traced(MASKS["difference of positions"][0], t=t)
+    before = gm(*qkv)[0]
+    causal_mask.causal_mask_pass(gm)
+    assert _sdpa(gm).args[3] is None
+    torch.testing.assert_close(gm(*qkv)[0], before)
 
 
 def test_a_mask_read_from_an_input_stays():
