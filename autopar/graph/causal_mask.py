@@ -16,14 +16,15 @@ pointwise op (comparisons, logic, ``where``, ``masked_fill``, ``tril``/``triu``,
 casts), a tensor of one value (``ones``, ``full``) or a view that keeps each element's trailing
 coordinates (a slice from 0, leading dims added), and is kept as that op over its operands (``_Lazy``). The mask is then a function
 F(q, k) of small leaves, each identical over the batch and head dims (checked) and varying over
-q, over k or neither (one over both: not proven). Per query row q, F is constant between
+q, over k, both or neither. Per query row q, F is constant between
 consecutive *breakpoints* in k:
 - a comparison u(q) <op> v(k) with v monotone in k changes truth only where ``searchsorted(v, u)``
   (left and right) lands; integer sides that are sums of values over q alone and over k alone (a
   window, q - k < w) are rearranged to that form first;
 - ``tril``/``triu`` of diagonal d change at k = q + d + 1 / q + d;
 - a value over k used otherwise (a boolean leaf, a ``where`` branch) changes where its k-vector
-  does (at most ``MAX_STEPS`` places, else not proven);
+  does, a table over both (small enough to be evaluated) where its row does (at most ``MAX_STEPS``
+  places, else not proven);
 - any op mixing q and k otherwise is not proven.
 With k = 0 and k = q + 1 (where the causal pattern changes) added, F equals the causal pattern
 everywhere iff it does at every breakpoint: O(s x breakpoints) point evaluations instead of s^2.
@@ -244,6 +245,18 @@ class _Points:
             raise _Unproven
         return where.reshape(1, -1).expand(self.sq, -1)
 
+    def _row_steps(self, t: torch.Tensor) -> torch.Tensor:
+        """Where each row of a (q x k) table changes, padded with sk: at most ``MAX_STEPS`` a row."""
+        changed = t[:, 1:] != t[:, :-1]
+        most = int(changed.sum(1).max()) if changed.numel() else 0
+        if most > MAX_STEPS:
+            raise _Unproven
+        rows, cols = torch.nonzero(changed, as_tuple=True)
+        nth = changed.long().cumsum(1)[rows, cols] - 1   # which change of its row each one is
+        out = torch.full((self.sq, max(most, 1)), self.sk, dtype=torch.long)
+        out[rows, nth] = cols + 1
+        return out
+
     def breakpoints(self, x) -> list[torch.Tensor]:
         """Columns (sq, n) of the k at which row q of ``x`` may change value."""
         deps = self.deps(x)
@@ -252,7 +265,7 @@ class _Points:
         if deps == {"k"}:
             return [self.steps(self.along_k(x))]
         if not isinstance(x, _Lazy):
-            raise _Unproven
+            return [self._row_steps(self.table(x))]
         q = torch.arange(self.sq)
         if x.op in _BAND:
             d = x.args[1] if len(x.args) > 1 else x.kwargs.get("diagonal", 0)

@@ -72,8 +72,10 @@ def _sdpa(gm):
     return node
 
 
-# at 2T + 8 elements, the masks' (T x T) values are kept as ops, the positions evaluated
-@pytest.mark.parametrize("limit", [causal_mask.LIMIT, 2 * T + 8], ids=["evaluated whole", "kept as ops"])
+# at 2T + 8 elements, the masks' (T x T) values are kept as ops, the positions evaluated; at T x T
+# the (T x T) tables are evaluated and what spans the batch too is kept as ops over them
+@pytest.mark.parametrize("limit", [causal_mask.LIMIT, 2 * T + 8, T * T],
+                         ids=["evaluated whole", "kept as ops", "tables evaluated, the batch kept as ops"])
 @pytest.mark.parametrize("name", list(MASKS))
 def test_only_the_causal_pattern_becomes_is_causal_and_the_output_is_unchanged(name, limit, monkeypatch):
     monkeypatch.setattr(causal_mask, "LIMIT", limit)
@@ -141,3 +143,31 @@ def test_a_sliding_window_shorter_than_the_sequence_keeps_its_mask(window, causa
     nodes = [n for n in cap.gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
     assert all((n.args[3] is None) == causal for n in nodes)
 
+
+
+ARCHITECTURES = ["GPT2", "Qwen2", "Gemma", "Phi3", "GPTNeoX", "Falcon", "OPT"]
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_other_hugging_face_architectures_masks_are_proven_causal(name):
+    """At 2048 tokens on the meta device: the (1, 1, 2048, 2048) comparison is evaluated whole (LIMIT
+    elements), the batch's 2 x 2048^2 kept as ops over it."""
+    transformers = pytest.importorskip("transformers")
+    seq = 2048
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=seq, pad_token_id=None, bos_token_id=None,
+                 eos_token_id=None)
+    if name == "GPT2":
+        shape = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=seq, bos_token_id=0, eos_token_id=0)
+    if name == "OPT":
+        shape = dict(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                     max_position_embeddings=seq, word_embed_proj_dim=32, pad_token_id=0, bos_token_id=0,
+                     eos_token_id=0)
+    cfg = getattr(transformers, f"{name}Config")(**shape, attn_implementation="sdpa")
+    model_class = getattr(transformers, f"{name}LMHeadModel" if name == "GPT2" else f"{name}ForCausalLM")
+    with torch.device("meta"):
+        model = autopar.hf.causal_lm_loss(model_class(cfg))
+    idx = torch.zeros(2, seq, dtype=torch.long, device="meta")
+    nodes = [n for n in capture_pass(model, (idx, idx)).gm.graph.nodes
+             if n.target is aten.scaled_dot_product_attention.default]
+    assert len(nodes) == 2 and all(n.args[3] is None and n.args[5] is True for n in nodes)
