@@ -84,8 +84,9 @@ class StagePlan:
     index: int
     rank: int                      # pipeline rank (pp coordinate) that runs it
     modules: tuple[str, ...]
-    predicted_time_s: float        # forward + backward of one microbatch
+    predicted_time_s: float        # forward + backward of one microbatch, whole sequences, tp and pp transfers too
     memory_bytes: float            # static state plus in-flight activations, per rank share
+    predicted_compute_s: float = 0.0   # of which the ops' (recomputed forwards too); 0: not recorded (older plans)
 
 
 @dataclass(frozen=True)
@@ -256,7 +257,7 @@ class Plan:
                     lambda c: f"x{c[0]} {c[1] / 2**20:.2f} MiB")
         _diff_keyed(out, "stage", {s.index: s for s in self.stages}, {s.index: s for s in other.stages},
                     lambda s: f"pp rank {s.rank}, {s.modules[0]} .. {s.modules[-1]} ({len(s.modules)} modules), "
-                              f"{s.predicted_time_s * 1e3:.3f} ms", same=_close)
+                              f"{s.predicted_time_s * 1e3:.3f} ms (ops {s.predicted_compute_s * 1e3:.3f})", same=_close)
         _diff_keyed(out, "memory of stage", {m.stage: m for m in self.memory}, {m.stage: m for m in other.memory},
                     lambda m: f"peak {m.peak / 2**30:.3f} GiB (activations {m.activations / 2**30:.3f})", same=_close)
         if self.recompute_regions != other.recompute_regions:

@@ -106,11 +106,14 @@ def _chosen(plan: Plan, mesh: Mesh, rank) -> tuple[int, str]:
 
 
 def predicted_compute_s(plan: Plan, pp: int) -> float:
-    """The plan's forward and backward seconds per step for pipeline rank ``pp`` (with stages: each
-    of the rank's stages per microbatch; without: the step's compute term), what a rehearsal of
-    that rank measures as its compute."""
+    """The plan's forward and backward seconds per step for pipeline rank ``pp``, what a rehearsal of
+    that rank measures as its compute: with stages, the ops of each of the rank's stages per
+    microbatch, on the rank's 1/cp of each sequence (a plan from before stages recorded their ops'
+    share: their whole time); without, the step's compute term."""
     if plan.stages:
-        return plan.microbatches * sum(s.predicted_time_s for s in plan.stages if s.rank == pp)
+        mine = [s for s in plan.stages if s.rank == pp]
+        per_microbatch = sum(s.predicted_compute_s or s.predicted_time_s for s in mine)
+        return plan.microbatches * per_microbatch / plan.cp
     return plan.step_terms.compute if plan.step_terms is not None else plan.predicted_compute_s
 
 

@@ -15,6 +15,7 @@ layers from a full stage rather than re-gather.)
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -202,7 +203,7 @@ def _priced(base: _Base, strategies: dict, recompute: str, kept=(), bounds=None,
         recomputed = [n for r in regions for n in r]
         again = [recompute_seconds(strategies, [n for n in recomputed if n in mine], mesh.tp, dev, tp_inter,
                                    with_comm=True) for mine in map(frozenset, stage_nodes(cap, bounds))]
-        work, stage_times = pipeline_work(cut, unit_tp, boundary, mesh.pp, c.microbatches, c.virtual_stages,
+        work, stage_parts = pipeline_work(cut, unit_tp, boundary, mesh.pp, c.microbatches, c.virtual_stages,
                                           again=again)
     else:
         work["compute"] += c.microbatches * recompute_seconds(strategies, [n for r in regions for n in r], mesh.tp,
@@ -219,7 +220,8 @@ def _priced(base: _Base, strategies: dict, recompute: str, kept=(), bounds=None,
     if mesh.pp > 1:
         units = layer_units(cap)
         stages = tuple(StagePlan(s, s % mesh.pp, tuple(m for u in units[a:b] for m in u.modules),
-                                 float(stage_times[s]), float(memory[s].peak)) for s, (a, b) in enumerate(bounds))
+                                 math.fsum(stage_parts[s].values()), float(memory[s].peak),
+                                 stage_parts[s]["compute"]) for s, (a, b) in enumerate(bounds))
     names = tuple(tuple(n.name for n in r) for r in regions)
     return Candidate(dataclasses.replace(c, recompute=recompute, recompute_regions=names, keep_gathered=tuple(kept)),
                      cap, strategies, req, sharding, memory,
@@ -302,18 +304,19 @@ def _pipelined(base: _Base, strategies: dict, recompute: str, regions, kept, bou
 
 def pipeline_work(cut, tp, boundary, pp: int, microbatches: int, virtual: int, again=None) -> tuple[dict, list]:
     """The busiest pipeline rank's compute, tp and pp work and the bubble of the stage ``cut``
-    (``pipeline_split``), and each stage's seconds per microbatch: its units' (compute with their tp
-    collectives, ``tp`` per unit), its incoming activations' point-to-point seconds (``boundary``
-    per cut) and ``again[s]``, the forwards its recomputed regions run again in its backward
-    (``step.recompute_seconds``; the makespan is then ``pipeline_time``'s of those stage times)."""
+    (``pipeline_split``), and each stage's seconds per microbatch by term: "compute", its units'
+    ops and ``again[s]``, the forwards its recomputed regions run again in its backward
+    (``step.recompute_seconds``); "tp", its units' tp collectives (``tp`` per unit); "pp", its
+    incoming activations' point-to-point seconds (``boundary`` per cut). A stage's time is their
+    sum; the makespan is then ``pipeline_time``'s of those stage times."""
     again = [0.0] * len(cut.bounds) if again is None else again
-    parts, times = [], []
+    parts = []
     for s, (a, b) in enumerate(cut.bounds):
         tp_s, pp_s = float(tp[a:b].sum()), float(boundary[a - 1]) if s else 0.0
-        parts.append(dict(compute=cut.stage_times[s] - tp_s - pp_s + again[s], tp=tp_s, pp=pp_s))
-        times.append(float(cut.stage_times[s]) + again[s])
+        parts.append(dict(compute=float(cut.stage_times[s]) - tp_s - pp_s + again[s], tp=tp_s, pp=pp_s))
+    times = [float(cut.stage_times[s]) + again[s] for s in range(len(cut.bounds))]
     makespan = pipeline_time(times, pp, microbatches, virtual) if any(again) else float(cut.step_time)
-    return pipeline_split(parts, pp, microbatches, virtual, makespan), times
+    return pipeline_split(parts, pp, microbatches, virtual, makespan), parts
 
 
 def _rank_dp(base: _Base, strategies: dict, time, unit_bytes, bounds, units, kept) -> tuple[float, tuple]:

@@ -199,6 +199,23 @@ def test_report_fields_round_trip_and_show():
     assert "data-rehearsed-rank='2'" in page and "Rehearsed ranks" in page
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_a_pipeline_ranks_predicted_compute_is_its_share_of_the_steps(recompute):
+    """Over a (dp 1, pp 2, cp 2, tp 2) mesh the busiest pipeline rank's predicted compute is the
+    step's compute term: its stages' ops (recomputed forwards too), not their tp and pp transfers,
+    on its half of each sequence (the stage times are priced on whole sequences)."""
+    cfg = dataclasses.replace(TINY, block_size=4 * SEQ)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    plan = autopar.plan(model, {"pp": 2, "cp": 2, "tp": 2}, example_inputs(cfg, BATCH, 4 * SEQ, device="meta"),
+                        device="h100", plan="megatron", microbatches=4, recompute=recompute)
+    ranks = [rehearsing.predicted_compute_s(plan, pp) for pp in range(2)]
+    assert max(ranks) == pytest.approx(plan.step_terms.compute)
+    assert all(0 < s.predicted_compute_s < s.predicted_time_s for s in plan.stages)   # tp transfers are not ops
+    whole = [plan.microbatches * sum(s.predicted_time_s for s in plan.stages if s.rank == pp) for pp in range(2)]
+    assert all(r < w / 2 for r, w in zip(ranks, whole))
+
+
 def test_memory_bound_bytes_of_the_pipeline_ranks_add_up_to_the_models():
     """Each pipeline rank counts the memory-bound traffic of its stages' ops: the two ranks of a
     (1, 2, 1) mesh together count what the same plan without stages counts, for as many
