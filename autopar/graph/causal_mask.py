@@ -132,8 +132,10 @@ def _value(node: Node, cache: dict):
     kwargs = {k: _on_cpu(v) for k, v in torch.fx.node.map_arg(node.kwargs, lambda n: _value(n, cache)).items()}
     val = node.meta.get("val")
     shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+    parts = val if isinstance(val, (tuple, list)) else (val,)   # an op of several outputs makes them all
+    size = sum(_numel(v.shape) for v in parts if isinstance(v, torch.Tensor))
     lazy = any(isinstance(a, _Lazy) for a in [*args, *kwargs.values()])
-    if not lazy and _numel(shape) <= LIMIT:
+    if not lazy and size <= LIMIT:
         out = node.target(*args, **kwargs)
     elif isinstance(args[0], _Lazy) and _keeps_points(node.target, args, args[0].shape, shape):
         out = _Lazy(aten.alias.default, (args[0],), {}, shape)
