@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import linecache
 import math
 import os
 import statistics
@@ -78,7 +79,10 @@ def run_rank(model, program, cap, tally: Tally, *, steps: int, warmup: int, log=
                 update.append(seconds[1])
         tally.on = False
         say(f"rank {program.rank}: one more step, its memory measured")
-        peak, memory, held = step_peak(pm, opt, lambda: _timed_step(pm, opt, batch, tally, cuda))
+        holders = [] if cuda else None
+        peak, memory, held = step_peak(pm, opt, lambda: _timed_step(pm, opt, batch, tally, cuda), holders)
+        for line in holders or ():
+            say(f"rank {program.rank}: {line}")
         say(f"rank {program.rank}: one more step, its ops timed")
         try:
             ops = (cuda_op_times if cuda else op_times)(lambda: pm.train_step(*batch))
@@ -136,11 +140,12 @@ def _sync_in_step_phase(tally: Tally):
         runtime_step.sync_gradients = original
 
 
-def step_peak(pm, opt, step) -> tuple[float, str, float]:
+def step_peak(pm, opt, step, holders: list | None = None) -> tuple[float, str, float]:
     """The peak bytes of the device while ``step()`` (a training step of ``pm``, a ParallelModel,
     and ``opt``, its optimizer) runs, what they are, and the bytes held before it (what the rank
     keeps between steps: weights, optimizer state, buffers). On a GPU the allocator's peak and the
-    bytes allocated before; on the CPU
+    bytes allocated before, and into ``holders`` (a list, if given) lines saying which source
+    lines allocated what was alive at the peak (``peak_holders``); on the CPU
     the tensors held before the step (``held_bytes``) plus the highest the CPU allocator's bytes
     in use rose above them during it, activations and the backward's transients included
     (torch.profiler's memory events: every allocation and free, compiled code's too). A real run
@@ -150,8 +155,9 @@ def step_peak(pm, opt, step) -> tuple[float, str, float]:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         held = torch.cuda.memory_allocated(device)
-        step()
-        torch.cuda.synchronize(device)
+        with _memory_history(holders, held):
+            step()
+            torch.cuda.synchronize(device)
         return float(torch.cuda.max_memory_allocated(device)), "the allocator's peak", float(held)
     # the profiler counts the free of a block it saw allocated, in any earlier profile too: garbage of
     # earlier work collected during the step would lower the figure, so it is collected before, and
@@ -172,6 +178,76 @@ def step_peak(pm, opt, step) -> tuple[float, str, float]:
         rise = max(rise, in_use)
     return float(held + rise), ("the tensors held before a step plus the most the CPU allocator's bytes in use "
                                 "rose during it (activations and the backward's transients included)"), float(held)
+
+
+@contextlib.contextmanager
+def _memory_history(holders: list | None, held: float):
+    """While in it, the CUDA allocator records every allocation with its Python stack; then
+    ``holders`` gets ``peak_holders``' lines. Nothing where ``holders`` is None; a torch whose
+    recorder fails leaves one line saying so (the peak itself is measured either way)."""
+    if holders is None:
+        yield
+        return
+    record = torch.cuda.memory._record_memory_history
+    try:
+        record(enabled="all", context="alloc", stacks="python", max_entries=2_000_000)
+    except (RuntimeError, TypeError) as err:
+        holders.append(f"no breakdown of the peak: the allocator's history could not be recorded ({err})")
+        yield
+        return
+    try:
+        yield
+        holders.extend(peak_holders(torch.cuda.memory._snapshot(), held))
+    finally:
+        record(enabled=None)
+
+
+def peak_holders(snapshot: dict, held: float, top: int = 10) -> list[str]:
+    """What a step allocated and still held at its peak, by the source line that allocated it (the
+    innermost frame outside torch's own files: the model's, autopar's or Inductor's generated code),
+    the ``top`` that held most: lines for a report. ``snapshot``: ``torch.cuda.memory._snapshot()``
+    of the step, recorded from its start; ``held``: the bytes allocated before it. The step's
+    running total starts at ``held``: each "alloc" adds its size, each "free_requested" of a block
+    takes it off (blocks allocated before the step too); the peak is where the total is highest."""
+    events = [e for trace in snapshot.get("device_traces", ()) for e in trace
+              if e.get("action") in ("alloc", "free_requested")]
+    total, peak, at, since = held, held, -1, {}
+    life = []   # [alloc index, free index or None, event]
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            since[e["addr"]] = len(life)
+            life.append([i, None, e])
+            total += e["size"]
+        else:
+            k = since.pop(e["addr"], None)
+            if k is not None:
+                life[k][1] = i
+            total -= e["size"]
+        if total > peak:
+            peak, at = total, i
+    groups: dict[str, list] = {}
+    for start, end, e in life:
+        if start <= at and (end is None or end > at):
+            where = _allocated_at(e.get("frames", ()))
+            group = groups.setdefault(where, [0, 0])
+            group[0] += e["size"]
+            group[1] += 1
+    alive = sum(g[0] for g in groups.values())
+    lines = [f"at the step's peak ({peak / 2**30:.3f} GiB by its trace): {held / 2**30:.3f} GiB held before it, "
+             f"{alive / 2**30:.3f} GiB allocated during it in {sum(g[1] for g in groups.values())} blocks, the most by:"]
+    for where, (nbytes, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {nbytes / 2**30:8.3f} GiB in {count:5d} blocks  {where}")
+    return lines
+
+
+def _allocated_at(frames) -> str:
+    """The innermost frame outside torch's files, with its source line where it can be read."""
+    for f in frames:
+        name = f.get("filename", "")
+        if "/torch/" not in name and not name.startswith("<"):
+            text = linecache.getline(name, f.get("line", 0)).strip()
+            return f"{os.path.basename(name)}:{f.get('line')} {f.get('name', '')}" + (f": {text[:90]}" if text else "")
+    return "torch internals"
 
 
 @contextlib.contextmanager

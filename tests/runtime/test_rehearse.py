@@ -216,6 +216,34 @@ def test_a_pipeline_ranks_predicted_compute_is_its_share_of_the_steps(recompute)
     assert all(r < w / 2 for r, w in zip(ranks, whole))
 
 
+def test_the_peaks_holders_are_what_was_alive_at_the_peak_by_the_line_that_made_it(tmp_path):
+    """A CUDA allocator's trace, written out: 1 GiB held before the step; the step allocates a
+    (model.py:10) and b (model.py:20), frees a, allocates c (model.py:10 again), frees b and c. The
+    peak (held + b + c) holds b and c, not a; torch's own frames are skipped for the model's line."""
+    from autopar.runtime.rehearsal import peak_holders
+
+    source = tmp_path / "model.py"
+    source.write_text("\n".join(f"line{i}" for i in range(1, 31)))
+    GiB = 2**30
+
+    def at(line):
+        return [{"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"},
+                {"filename": str(source), "line": line, "name": "forward"}]
+    trace = [dict(action="alloc", addr=1, size=4 * GiB, frames=at(10)),
+             dict(action="alloc", addr=2, size=2 * GiB, frames=at(20)),
+             dict(action="free_requested", addr=1, size=4 * GiB),
+             dict(action="free_completed", addr=1, size=4 * GiB),
+             dict(action="alloc", addr=3, size=5 * GiB, frames=at(10)),
+             dict(action="free_requested", addr=2, size=2 * GiB),
+             dict(action="free_requested", addr=3, size=5 * GiB)]
+    lines = peak_holders({"device_traces": [trace]}, held=1 * GiB)
+    assert lines[0].startswith("at the step's peak (8.000 GiB by its trace): 1.000 GiB held before it, 7.000 GiB "
+                               "allocated during it in 2 blocks")
+    assert lines[1].split() == ["5.000", "GiB", "in", "1", "blocks", "model.py:10", "forward:", "line10"]
+    assert lines[2].split() == ["2.000", "GiB", "in", "1", "blocks", "model.py:20", "forward:", "line20"]
+    assert len(lines) == 3
+
+
 def test_memory_bound_bytes_of_the_pipeline_ranks_add_up_to_the_models():
     """Each pipeline rank counts the memory-bound traffic of its stages' ops: the two ranks of a
     (1, 2, 1) mesh together count what the same plan without stages counts, for as many
