@@ -197,7 +197,10 @@ def _memory_history(holders: list | None, held: float):
         return
     try:
         yield
-        holders.extend(peak_holders(torch.cuda.memory._snapshot(), held))
+        try:
+            holders.extend(peak_holders(torch.cuda.memory._snapshot(), held))
+        except (RuntimeError, KeyError, TypeError) as err:   # the breakdown is a bonus: the peak stands without it
+            holders.append(f"no breakdown of the peak: the allocator's history could not be read ({err!r})")
     finally:
         record(enabled=None)
 
