@@ -57,6 +57,7 @@ from torch.fx.node import map_arg
 from autopar import collectives as C
 from autopar.graph.capture import input_free
 from autopar.graph.capture import copy_graph
+from autopar.graph.causal_mask import sdpa_arguments
 from autopar.graph.rules import Strategy, dim_labels, view_groups
 from autopar.passes.token_mean import TOKEN_LOSS_OPS, is_token_sum, token_mean_pass
 from autopar.placement import R
@@ -124,13 +125,16 @@ def _split(out, *, size: int, rank: int, group: str, seq: int, attention: str) -
     _localize(out, local | set(made.values()), size, rank, group, seq, C.CP_ATTENTIONS[attention])
 
 
+def _attentions(gm: GraphModule):
+    """(node, its arguments by name) of each sdpa in ``gm``."""
+    return ((n, sdpa_arguments(n)) for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default)
+
+
 def ring_refusal(gm: GraphModule) -> str | None:
     """Why ring attention cannot run ``gm``'s attention (a sentence naming the module), None when it can."""
-    for n in gm.graph.nodes:
-        if n.target is aten.scaled_dot_product_attention.default:
-            dropout = n.kwargs.get("dropout_p", n.args[4] if len(n.args) > 4 else 0.0)
-            if dropout:
-                return f"the attention in {_where(n)} has dropout_p={dropout}, which ring attention does not apply"
+    for n, given in _attentions(gm):
+        if given["dropout_p"]:
+            return f"the attention in {_where(n)} has dropout_p={given['dropout_p']}, which ring attention does not apply"
     return None
 
 
@@ -138,13 +142,11 @@ def ring_unfused(gm: GraphModule) -> str | None:
     """Where ring attention would run ``gm``'s attention unfused (a sentence naming the module), None where
     every block is fused: an attention with a mask (one capture did not prove causal) computes each
     block in fp32 with its scores whole (``collectives.fused_blocks``), which the cost model does not price."""
-    for n in gm.graph.nodes:
-        if n.target is aten.scaled_dot_product_attention.default:
-            mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
-            if mask is not None:
-                return (f"the attention in {_where(n)} takes a mask other than the causal pattern (a window, "
-                        "a bias), so ring attention would compute its blocks unfused, in fp32 with their scores "
-                        "whole, which the plan does not price")
+    for n, given in _attentions(gm):
+        if given["attn_mask"] is not None:
+            return (f"the attention in {_where(n)} takes a mask other than the causal pattern (a window, "
+                    "a bias), so ring attention would compute its blocks unfused, in fp32 with their scores "
+                    "whole, which the plan does not price")
     return None
 
 

@@ -12,9 +12,9 @@ code export wrapped in a submodule (under ``torch.no_grad()`` or a disabled auto
 is inlined; ``addmm(b, x, w)`` (GPT-2's Conv1D) becomes ``add(mm(x, w), b)`` as linear
 biases do; ``_assert_tensor_metadata`` checks and casts that change nothing go; an attention
 mask proven to be the causal pattern becomes sdpa's ``is_causal=True`` (``graph.causal_mask``:
-flash attention, no (s x s) mask); and values that depend on no input and no parameter (position ids, the causal mask, rotary
-tables) are recomputed inside every layer that uses them, so the layers stay identical
-and pipeline stages never send them.
+flash attention, no (s x s) mask); and values that depend on no input and no parameter
+(position ids, a mask that stays, rotary tables) are recomputed inside every layer that
+uses them, so the layers stay identical and pipeline stages never send them.
 
 Tensors the forward creates from data (``torch.tensor(0.5)``) are lifted by torch.export as
 constant inputs. They are captured as buffers (``kind`` "buffer": replicated, priced and split

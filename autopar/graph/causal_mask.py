@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.operator_schemas import normalize_function
 
 aten = torch.ops.aten
 
@@ -80,9 +81,9 @@ def causal_mask_pass(gm: GraphModule) -> GraphModule:
     for node in list(gm.graph.nodes):
         if node.target is not aten.scaled_dot_product_attention.default:
             continue
-        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-        causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
-        if not isinstance(mask, Node) or causal:
+        given = sdpa_arguments(node)
+        mask = given["attn_mask"]
+        if not isinstance(mask, Node) or given["is_causal"]:
             continue
         if mask not in proven:
             try:
@@ -90,14 +91,18 @@ def causal_mask_pass(gm: GraphModule) -> GraphModule:
             except (_Unproven, RuntimeError, TypeError, ValueError, IndexError, NotImplementedError):
                 proven[mask] = False   # an op this evaluation cannot run (on the CPU, at these shapes): not proven
         if proven[mask]:
-            q, k, v = node.args[:3]
-            dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-            kwargs = {key: val for key, val in node.kwargs.items() if key not in ("attn_mask", "dropout_p", "is_causal")}
-            node.args, node.kwargs = (q, k, v, None, dropout, True), kwargs
+            kwargs = {key: val for key, val in node.kwargs.items() if key in ("scale", "enable_gqa")}
+            node.args = (given["query"], given["key"], given["value"], None, given["dropout_p"], True)
+            node.kwargs = kwargs
             _erase_unused(gm, mask)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def sdpa_arguments(node: Node) -> dict:
+    """An sdpa call's arguments by name, positional or keyword, defaults filled in."""
+    return normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
 
 
 def _size(node: Node) -> tuple[int, ...]:

@@ -314,7 +314,7 @@ def pipeline_work(cut, tp, boundary, pp: int, microbatches: int, virtual: int, a
     for s, (a, b) in enumerate(cut.bounds):
         tp_s, pp_s = float(tp[a:b].sum()), float(boundary[a - 1]) if s else 0.0
         parts.append(dict(compute=float(cut.stage_times[s]) - tp_s - pp_s + again[s], tp=tp_s, pp=pp_s))
-    times = [float(cut.stage_times[s]) + again[s] for s in range(len(cut.bounds))]
+    times = [math.fsum(p.values()) for p in parts]
     makespan = pipeline_time(times, pp, microbatches, virtual) if any(again) else float(cut.step_time)
     return pipeline_split(parts, pp, microbatches, virtual, makespan), parts
 
@@ -416,8 +416,8 @@ def _cp_attention(knob: str, cap, strategies, mesh: Mesh, req) -> tuple[str, tup
     if knob != "auto":
         return knob, ()
     if refused or unfused:
-        return "allgather", (f"cp attention: allgather, as ring attention cannot run here ({refused})" if refused
-                             else f"cp attention: allgather, as {unfused}",)
+        why = f"ring attention cannot run here ({refused})" if refused else unfused
+        return "allgather", (f"cp attention: allgather, as {why}",)
     seconds = {a: cp_attention_seconds(cap, strategies, mesh.cp, mesh.tp, req.device, req.gpus_per_node, a)
                for a in CP_ATTENTIONS}
     chosen = "ring" if seconds["ring"] <= seconds["allgather"] else "allgather"
