@@ -26,7 +26,11 @@ from cli import main as cli_main
 from parity import SEQ, TINY
 
 BATCH = 8
+# compiled as parallelize compiles where the compile changes what a rank issues or holds (ZeRO-3's
+# backward re-gathers, a sequence-parallel linear's kept shard); eager where it does not (shards, tp and
+# pipeline collectives, sends): the same passes, without Dynamo's seconds per rank
 FAST = dict(device="cpu", compile="aot_eager", steps=1, warmup=1)
+EAGER = dict(FAST, compile=False)
 
 
 def _meta_model():
@@ -35,9 +39,9 @@ def _meta_model():
 
 
 @functools.cache
-def _rehearsed(mesh, rank="worst", **knobs) -> Plan:
+def _rehearsed(mesh, rank="worst", compiled=False, **knobs) -> Plan:
     return autopar.rehearse(_meta_model(), mesh, example_inputs(TINY, BATCH, SEQ, device="meta"), rank=rank,
-                            **FAST, **knobs)
+                            **(FAST if compiled else EAGER), **knobs)
 
 
 def _issued(r) -> dict:
@@ -59,7 +63,7 @@ def _summed(rows) -> dict:
 
 
 def test_zero3_rank_gathers_and_scatters_what_the_plan_says():
-    plan = _rehearsed((4, 1, 1), rank=1, zero=3)
+    plan = _rehearsed((4, 1, 1), rank=1, compiled=True, zero=3)
     (r,) = plan.rehearsals
     assert r.rank == 1 and r.coords == "dp 1"
     issued = _issued(r)
@@ -143,7 +147,7 @@ def test_each_pipeline_rank_issues_its_stages_collectives_and_sends_each_microba
 
 # at bf16 the fp32 model's parameters are held at 16 bits below ZeRO-2 (the distributed optimizer's), and
 # ZeRO-3's dp shards stay fp32 (the masters): the plan's figure is at the dtype its state table holds them
-@pytest.mark.parametrize("case", [((4, 1, 1), 1, dict(zero=3)), ((1, 1, 4), 2, dict(plan="megatron")),
+@pytest.mark.parametrize("case", [((4, 1, 1), 1, dict(zero=3, compiled=True)), ((1, 1, 4), 2, dict(plan="megatron")),
                                   ((1, 2, 2), 3, dict(plan="megatron")),
                                   ((2, 1, 2), 1, dict(plan="megatron", zero=1, precision="bf16")),
                                   ((4, 1, 1), 1, dict(zero=3, precision="bf16"))])
@@ -273,7 +277,7 @@ def test_cp_rank_of_a_meta_llama_runs_its_attention(attention):
     with torch.device("meta"):
         model = causal_lm_loss(transformers.LlamaForCausalLM(cfg))
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
-    plan = autopar.rehearse(model, {"dp": 2, "cp": 2}, (ids, ids), rank=1, cp_attention=attention, **FAST)
+    plan = autopar.rehearse(model, {"dp": 2, "cp": 2}, (ids, ids), rank=1, cp_attention=attention, **EAGER)
     (r,) = plan.rehearsals
     assert r.coords == "dp 0 cp 1"
     cp = {(c.kind, c.phase): c for c in r.collectives if c.axis == "cp" and c.count}
@@ -292,13 +296,13 @@ def test_a_rank_outside_the_world_is_refused():
 def test_a_rank_that_does_not_fit_says_by_how_much(monkeypatch):
     monkeypatch.setattr(rehearsing, "_capacity", lambda device: (1000.0, "this test's device"))
     with pytest.raises(ValueError, match=r"GiB more than this test's device holds"):
-        autopar.rehearse(_meta_model(), (2, 1, 1), example_inputs(TINY, BATCH, SEQ, device="meta"), **FAST)
+        autopar.rehearse(_meta_model(), (2, 1, 1), example_inputs(TINY, BATCH, SEQ, device="meta"), **EAGER)
 
 
 def test_a_plan_priced_for_another_chip_warns():
     with pytest.warns(UserWarning, match="priced for 'h100' but runs here on 'cpu'.*different chips"):
         plan = autopar.rehearse(_meta_model(), (2, 1, 1), example_inputs(TINY, BATCH, SEQ, device="meta"),
-                                **{**FAST, "device": "h100"})
+                                **{**EAGER, "device": "h100"})
     assert plan.rehearsals[0].priced_on == "h100" and "priced for h100" in plan.summary()
 
 

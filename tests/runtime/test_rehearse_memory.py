@@ -30,11 +30,13 @@ CASES = {"zero3-8": ((8, 1, 1), dict(zero=3, keep_gathered=(), compile="aot_eage
          "dp2-pp2-tp2": ((2, 2, 2), dict(plan="megatron", compile=False))}
 RANKS = {"zero3-8": (5,), "dp2-pp2-tp2": (0, 3)}   # for (2, 2, 2): a rank of each pipeline stage
 WARMUP = 2   # steps before the measured one, in both runs: the first compiles, AdamW's state exists after it
-# steps of the real run measured. Without a pipeline every step peaks alike. With one, the real peak
-# moves from step to step (measured on (2, 2, 2), aot_eager: rank 0 by up to 9%, rank 3 by up to 31%,
-# every allocation on the step's thread): when a send's buffer is let go and a receive's filled
-# depends on when the peer gets there, where a rehearsal's sends and receives end at once. There its
-# peak is to fall within the real steps' range.
+# steps of the real run measured. The real peak moves from step to step with the peers' timing. With a
+# pipeline (measured on (2, 2, 2), aot_eager: rank 0 by up to 9%, rank 3 by up to 31%, every
+# allocation on the step's thread), when a send's buffer is let go and a receive's filled depends on
+# when the peer gets there, where a rehearsal's sends and receives end at once. Under ZeRO-3, how many
+# gathered units are alive at once depends on when each gather completes: alone its steps peak alike,
+# under the full suite's load they differed by up to 13%. The rehearsed peak is to fall within the
+# real steps' range.
 MEASURED = 4
 
 
@@ -87,8 +89,6 @@ def test_rehearsed_peak_is_the_gloo_runs(name, rank):
     # a real run's peak moves with its peers' timing (a pipeline's sends, ZeRO-3's backward re-gathers):
     # the rehearsed one lies in the range of its measured steps, within 5%
     assert low * 0.95 <= r.peak_bytes <= high * 1.05
-    if plan.mesh[1] == 1:
-        assert high <= low * 1.10
     # activations count: the peak is well above the parameters, their gradients and AdamW's two moments
     assert r.peak_bytes > 1.5 * 4 * r.param_bytes
 
