@@ -24,6 +24,7 @@ import torch
 
 import autopar
 import autopar.hf
+from autopar.cost_model.devices import DEVICES
 from autopar.examples.gpt import build, example_inputs
 
 LLAMA = {
@@ -31,22 +32,23 @@ LLAMA = {
     "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64),
 }
 
-# name: (model, gpus, global batch, sequence, budget, what the case is about)
+DEVICE = "h100"
+# name: (model, gpus, global batch, sequence, budget (None: the device's memory), what the case is about)
 CASES = {
-    "8b": ("llama-8b", 8, 16, 8192, "80GiB", "Llama 3.1 8B on one 8-GPU node; torchtitan's published run is "
+    "8b": ("llama-8b", 8, 16, 8192, None, "Llama 3.1 8B on one 8-GPU node; torchtitan's published run is "
            "FSDP 8, compile, local batch 2 (global 16), seq 8192, selective AC: 6,667 tokens/s/GPU on "
            "H100 96 GB at 500 W"),
     "8b-96": ("llama-8b", 8, 16, 8192, "96GB", "the same on torchtitan's 96 GB H100s"),
-    "70b": ("llama-70b", 64, 64, 8192, "80GiB", "Llama 3.1 70B on 8 nodes of 8"),
-    "8b-32k": ("llama-8b", 8, 8, 32768, "80GiB", "Llama 3.1 8B at 32k tokens per sequence on one 8-GPU node, "
+    "70b": ("llama-70b", 64, 64, 8192, None, "Llama 3.1 70B on 8 nodes of 8"),
+    "8b-32k": ("llama-8b", 8, 8, 32768, None, "Llama 3.1 8B at 32k tokens per sequence on one 8-GPU node, "
                "torchtitan's batch (FSDP 8, local batch 1)"),
-    "8b-64k": ("llama-8b", 8, 4, 65536, "80GiB", "the same at 64k tokens, torchtitan's batch (FSDP 4 x CP 2, "
+    "8b-64k": ("llama-8b", 8, 4, 65536, None, "the same at 64k tokens, torchtitan's batch (FSDP 4 x CP 2, "
                "local batch 1)"),
-    "8b-128k": ("llama-8b", 8, 2, 131072, "80GiB", "the same at 128k tokens, torchtitan's batch (FSDP 2 x CP 4, "
+    "8b-128k": ("llama-8b", 8, 2, 131072, None, "the same at 128k tokens, torchtitan's batch (FSDP 2 x CP 4, "
                 "local batch 1)"),
-    "8b-128k-64": ("llama-8b", 64, 16, 131072, "80GiB", "Llama 3.1 8B at 128k tokens on 8 nodes of 8, "
+    "8b-128k-64": ("llama-8b", 64, 16, 131072, None, "Llama 3.1 8B at 128k tokens on 8 nodes of 8, "
                    "16 sequences (2M tokens) per step"),
-    "175b": ("gpt3-175b", 512, 1536, 2048, "80GiB", "GPT-3 175B on 64 nodes of 8 (Megatron's 2021 run: "
+    "175b": ("gpt3-175b", 512, 1536, 2048, None, "GPT-3 175B on 64 nodes of 8 (Megatron's 2021 run: "
              "tp 8, pp 12 on 1,536 A100s)"),
 }
 
@@ -83,12 +85,12 @@ def run(case: str) -> None:
     inputs = _inputs(model, name, batch, seq)
     params = sum(p.numel() for p in model.parameters())
     start, cpu = time.perf_counter(), time.process_time()
-    plan = autopar.plan(model, "auto", inputs, world_size=gpus, device="h100", zero="auto", recompute="auto",
+    plan = autopar.plan(model, "auto", inputs, world_size=gpus, device=DEVICE, zero="auto", recompute="auto",
                         precision="bf16", memory_budget=budget, sequence_parallel="auto")
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = batch * seq / plan.predicted_step_time / gpus
     print(f"## {case}: {name} ({params / 1e9:.2f}B parameters), {gpus} H100, batch {batch} x {seq}, "
-          f"budget {budget}\n{about}\n")
+          f"budget {budget or f'the device memory, {DEVICES[DEVICE].memory_bytes / 2**30:.2f} GiB'}\n{about}\n")
     split = f" (HSDP {plan.dp_replicate} x {plan.mesh[0] // plan.dp_replicate})" if plan.dp_replicate > 1 else ""
     split += f" cp={plan.cp}" if plan.cp > 1 else ""
     print(f"planned in {seconds:.1f} s ({cpu:.1f} s CPU); chosen {plan.mesh}{split} zero={plan.zero} "
@@ -106,7 +108,7 @@ def titan() -> None:
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for seq, (mesh, batch, published) in TITAN.items():
         model = build_model("llama-8b", seq)
-        plan = autopar.plan(model, mesh, _inputs(model, "llama-8b", batch, seq), device="h100", zero=3,
+        plan = autopar.plan(model, mesh, _inputs(model, "llama-8b", batch, seq), device=DEVICE, zero=3,
                             recompute="full", precision="bf16", microbatches=1)
         tokens = batch * seq / plan.predicted_step_time / 8
         name = " x ".join(f"{'FSDP' if axis == 'dp' else 'CP'} {n}" for axis, n in mesh.items())

@@ -450,17 +450,21 @@ HOPPER_HOST_ADAM_RATE = 4.3e9
 # (`python -m autopar calibrate`) carries the machine's own.
 DGX_HOST_MEMORY = 2 * 10**12 // 8
 
+H100_MEMORY = round(79.18 * GiB)
+
 # Presets. Peak numbers are dense (no 2:4 sparsity) from NVIDIA's public data sheets; latencies
 # and matmul efficiencies are estimates meant to be replaced by `python -m autopar calibrate`.
 DEVICES: dict[str, DeviceSpec] = {
     # H100 SXM5 data sheet: FP32 67 TF, TF32 494.7 TF, BF16/FP16 989.4 TF, FP8 1978.9 TF (dense),
     # 80 GB HBM3 at 3.35 TB/s, NVLink 4 at 900 GB/s bidirectional (450 GB/s per direction).
     # Inter-node: one 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100) = 50e9 B/s.
+    # Memory: what CUDA gives a process on the card, 79.18 GiB on the H100 80GB lent to this project
+    # (its out-of-memory report's "total capacity"), not the 80 GiB the data sheet's "80 GB" suggests.
     "h100": DeviceSpec(
         name="h100",
         peak_flops={"fp32": 67e12, "tf32": 494e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
         mem_bandwidth=3.35e12,
-        memory_bytes=80 * GiB,
+        memory_bytes=H100_MEMORY,
         intra_node_bw=450e9,
         inter_node_bw=50e9,
         intra_node_latency=3e-6,

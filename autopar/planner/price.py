@@ -90,22 +90,42 @@ def _price_base(base: "_Base") -> Candidate:
     job, mesh = base.job, base.choices.mesh
     req, c = job.request, base.choices
     strategies, cand = base.assignment.strategies, None
-    if req.given is None and c.sequence_parallel and req.memory_budget is not None:
-        try:   # the stage DP's fastest cut: where memory moves the cut, it binds, as where the peak misses
-            plain = _priced(base, strategies, "none", recut=False)
-        except ValueError:   # a PlanError, or the stage DP's: no cut fits the budget
-            plain = None
-        if plain is None or plain.peak_memory > req.memory_budget:
-            # Megatron's storage rule before any recompute: an all-gather is cheaper than a forward
-            strategies = with_regather(strategies)
-        elif c.recompute == "auto" and not base.kept and find_blocks(base.cap):
+    if req.given is None and c.sequence_parallel:
+        # the fastest cut, each linear keeping its whole input, recomputing nothing under recompute="auto":
+        # where it misses the budget, memory binds
+        first = _priced_or_none(base, strategies, "none" if c.recompute == "auto" else c.recompute, base.kept,
+                                recut=False)
+        if first is None or first.peak_memory > req.limit:
+            # Megatron's storage rule: each sequence-parallel linear keeps its input's shard and gathers it
+            # again in the backward. It is one way to make room, recompute another, and an all-gather is
+            # not always cheaper than the forward that recomputing its block runs again: both are priced
+            cand = _fitting_faster(_priced(base, with_regather(strategies), c.recompute, base.kept),
+                                   _priced_or_none(base, strategies, c.recompute, base.kept), req.limit)
+        elif c.recompute != "auto":
+            cand = first
+        elif find_blocks(base.cap):
             # recompute="auto" recomputes nothing where nothing recomputed fits: these are its figures, priced
-            cand = dataclasses.replace(plain, choices=dataclasses.replace(plain.choices, recompute="auto"))
+            cand = dataclasses.replace(first, choices=dataclasses.replace(first.choices, recompute="auto"))
     if cand is None:
         cand = _priced(base, strategies, c.recompute, base.kept)
     if req.given is None and req.keep_gathered == "auto" and c.zero == 3 and mesh.dp > 1:
         cand = _keep_gathered(base, cand)
     return cand
+
+
+def _priced_or_none(base: "_Base", strategies, recompute: str, kept, recut: bool = True) -> Candidate | None:
+    """``_priced``, or None where no cut of the stages fits (a PlanError, or the stage DP's ValueError)."""
+    try:
+        return _priced(base, strategies, recompute, kept, recut=recut)
+    except ValueError:
+        return None
+
+
+def _fitting_faster(first: Candidate, second: Candidate | None, limit: float) -> Candidate:
+    """Of two pricings of one candidate, the faster of those that fit ``limit``; ``first`` where
+    neither fits (the caller's choice of least memory)."""
+    fits = [c for c in (first, second) if c is not None and c.peak_memory <= limit]
+    return min(fits, key=lambda c: c.step_time) if fits else first
 
 
 def _base(job: Job, mesh: Mesh, microbatches: int, zero: int, offload: str, offload_kept=()) -> _Base:
