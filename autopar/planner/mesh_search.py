@@ -20,11 +20,15 @@ Context parallelism (cp ranks per sequence, ``passes.context_parallel``) is rank
 allows it (causal attention, ``check_context``) for the cp that split the sequence into 2·cp
 chunks (``check_sequence``). For one (pp, tp), the ranks left, D = dp·cp, split the batch's tokens
 either way: every (D/cp, pp, cp, tp) gives each rank the same tokens, while a larger cp adds its
-collectives and saves activation memory (activations / cp). So per (pp, tp) cp rises from 1 while
-no plan fits, or while the plan that fits pays for its memory in time (``_pays_for_memory``:
-recompute="auto" chose regions), since the next cp may fit with less recompute or none, as
-NVIDIA's recipes pay for memory with cp at 8k tokens, not recompute; it stops at the first cp
-that fits without recompute, or once one fitted and the next does not. This rule is not exact: a
+collectives and saves activation memory (activations / cp). Without pipeline stages, so per
+(pp, tp) cp rises from 1 while no plan fits, or while the plan that fits pays for its memory in
+time (``_pays_for_memory``: recompute="auto" chose regions), since the next cp may fit with less
+recompute or none, as NVIDIA's recipes pay for memory with cp at 8k tokens, not recompute; it stops
+at the first cp that fits without recompute, or once one fitted and the next does not. With stages
+the rise goes on through every cp the floors allow: a larger cp means fewer dp ranks and so more
+microbatches per rank at the same batch, a smaller bubble (the 70B over 64 H100s: (2, 4, cp2, 4) at
+7.429 s, which the rule's stop at pp 4, tp 4 left out for a 7.645 s plan; the 175B's planning took
+40 s instead of 21). This rule is not exact: a
 larger cp also swaps dp's gradient sync for cp's, and the cost model prices a cp rank's ops at the
 whole sequence's matmul efficiency (``cost_model.context``), so a larger cp that the rule does not
 plan can be priced faster; planning every cp is complete but cost over 100 s for a 70B model on
@@ -246,9 +250,10 @@ def rank_meshes(world_size: int, example_inputs, *, price, capture, memory_budge
                 rows += _variants(mesh, m, price, memory_budget, out + rows, schedules, bound)
         out += rows
         planned = [o for o in rows if o.planned]   # a row its floor ruled out says nothing of the next cp
-        if any(o.fits and not _pays_for_memory(o) for o in planned) or (
+        # with stages, more cp is more microbatches per rank (a smaller bubble): the rise goes on
+        if pp == 1 and (any(o.fits and not _pays_for_memory(o) for o in planned) or (
                 planned and not any(o.fits for o in planned)
-                and any(o.fits for o in out if (o.mesh.pp, o.mesh.tp) == (pp, tp))):
+                and any(o.fits for o in out if (o.mesh.pp, o.mesh.tp) == (pp, tp)))):
             continue   # the rise of cp stops (module docstring)
         if i + 1 < len(ladders[k]):
             heapq.heappush(queue, (floor_of(ladders[k][i + 1]), k, i + 1))

@@ -9,10 +9,10 @@ import pytest
 import autopar
 from autopar.examples.gpt import build, example_inputs
 
-# rank, mesh (dp or HSDP's "r x s", pp, tp), schedule (not captured), microbatches, zero ("3 k5": 5 units kept gathered),
+# rank, mesh (dp or HSDP's "r x s", pp, cp where above 1, tp), schedule (not captured), microbatches, zero ("3 k5": 5 units kept gathered),
 # recompute ("auto 12": regions), offload,
 # step ms, its terms (compute, tp, cp, pp, dp, bubble, update, host), peak GiB, fits
-ROW = re.compile(r"^\s*\d+\s+\((\d+(?:x\d+)?), (\d+), (\d+)\)\s+(?:-|GPipe|1F1B|I\w+ v\d+)\s+(\d+)\s+(\d(?: k\d+)?)\s+(none|selective|full|auto \d+)"
+ROW = re.compile(r"^\s*\d+\s+\((\d+(?:x\d+)?), (\d+), (?:cp(\d+), )?(\d+)\)\s+(?:-|GPipe|1F1B|I\w+ v\d+)\s+(\d+)\s+(\d(?: k\d+)?)\s+(none|selective|full|auto \d+)"
                  r"\s+(none|optimizer)\s+([\d.]+)((?:\s+-?[\d.]+){8})\s+([\d.]+)\s+(yes|no)$")
 
 
@@ -23,8 +23,8 @@ def _dp(text: str) -> int:
 
 
 def _rows(note: str):
-    """(mesh, microbatches, step ms, peak GiB) per ranked row, as printed."""
-    return [((_dp(m[1]), int(m[2]), int(m[3])), int(m[4]), m[8], m[10])
+    """(mesh (dp, pp, cp, tp), microbatches, step ms, peak GiB) per ranked row, as printed."""
+    return [((_dp(m[1]), int(m[2]), int(m[3] or 1), int(m[4])), int(m[5]), m[9], m[11])
             for m in map(ROW.match, note.splitlines()) if m]
 
 
@@ -60,21 +60,23 @@ def test_each_ranked_row_is_the_plan_of_its_mesh():
     inputs = example_inputs(model.config, 16, 512, device="meta")
     chosen = autopar.plan(model, "auto", inputs, world_size=16, memory_budget=TIGHT)
     rows = _rows(_table(chosen))
-    assert len(rows) > 3 and {pp for (_, pp, _), *_ in rows} >= {1, 2}   # both kinds of step are ranked
+    assert len(rows) > 3 and {pp for (_, pp, _, _), *_ in rows} >= {1, 2}   # both kinds of step are ranked
     mesh, m, step, peak = rows[0]
-    assert (mesh, m) == (tuple(chosen.mesh), chosen.microbatches)
+    dp, pp, tp = chosen.mesh
+    assert (mesh, m) == ((dp, pp, chosen.cp, tp), chosen.microbatches)
     assert (step, peak) == _printed(chosen)
     fitting = [(row, knobs) for row, knobs, fits in zip(rows, _schedules(_table(chosen)), _fits(_table(chosen)))
                if fits]
     assert len(fitting) >= 3
     for (mesh, m, step, peak), knobs in fitting[1:4]:
-        again = autopar.plan(model, mesh, inputs, microbatches=m, memory_budget=TIGHT, **knobs)
+        again = autopar.plan(model, dict(zip(("dp", "pp", "cp", "tp"), mesh)), inputs, microbatches=m,
+                             memory_budget=TIGHT, **knobs)
         assert (step, peak) == _printed(again), mesh
 
 
 def _fits(note: str) -> list[bool]:
     """Whether each ranked row (``_rows``' order) fits."""
-    return [m[11] == "yes" for m in map(ROW.match, note.splitlines()) if m]
+    return [m[12] == "yes" for m in map(ROW.match, note.splitlines()) if m]
 
 
 def test_a_mesh_its_floor_rules_out_is_counted_not_planned():
@@ -86,7 +88,7 @@ def test_a_mesh_its_floor_rules_out_is_counted_not_planned():
     planned = [line for line in table.splitlines() if re.match(r"^\s*\d+\s+\(", line)]   # cp rows too
     skipped = int(re.search(r"(\d+) more not planned: each one's step floor", table)[1])
     total = int(re.search(r"among (\d+) candidates", table)[1])
-    assert _rows(table)[0][0] == (16, 1, 1) and skipped > 0 and len(planned) + skipped == total
+    assert _rows(table)[0][0] == (16, 1, 1, 1) and skipped > 0 and len(planned) + skipped == total
 
 
 def _gpt2():
@@ -101,19 +103,22 @@ def test_each_row_shows_the_choices_and_the_terms_of_its_step():
     rows = [m for m in map(ROW.match, table.splitlines()) if m]
     assert len(rows) > 3
     for m in rows:
-        terms = [float(t) for t in m[9].split()]
-        assert sum(terms) == pytest.approx(float(m[8]), abs=4e-3), m[0]   # printed to 3 decimals each
+        terms = [float(t) for t in m[10].split()]
+        assert sum(terms) == pytest.approx(float(m[9]), abs=4e-3), m[0]   # printed to 3 decimals each
         pp = int(m[2])
         assert (terms[3] > 0 or terms[5] > 0) if pp > 1 else terms[3] == terms[5] == 0.0, m[0]   # pp, bubble
-        assert (terms[1] > 0) == (int(m[3]) > 1), m[0]   # tp communication only with tp > 1
-        assert terms[2] == 0.0, m[0]   # no cp communication at cp=1
+        assert (terms[1] > 0) == (int(m[4]) > 1), m[0]   # tp communication only with tp > 1
+        assert (terms[2] > 0) == (m[3] is not None), m[0]   # cp communication only with cp > 1
     first = rows[0]
-    assert (int(first[5].split()[0]), first[7]) == (chosen.zero, chosen.offload)
-    assert (first[8], first[10]) == _printed(chosen)
+    assert (int(first[6].split()[0]), first[8]) == (chosen.zero, chosen.offload)
+    assert (first[9], first[11]) == _printed(chosen)
     why = table.splitlines()[-1]
     runner = rows[1]
-    assert why.strip().startswith(f"winner ({first[1]}, {first[2]}, {first[3]}): the fastest that fits")
-    assert f"runner-up ({runner[1]}, {runner[2]}, {runner[3]})'s {runner[8]} ms" in why
+
+    def name(m):
+        return f"({m[1]}, {m[2]}, {f'cp{m[3]}, ' if m[3] else ''}{m[4]})"
+    assert why.strip().startswith(f"winner {name(first)}: the fastest that fits")
+    assert f"runner-up {name(runner)}'s {runner[9]} ms" in why
 
 
 def test_the_split_is_the_plans_own_step_sum():
@@ -153,7 +158,7 @@ def test_no_mesh_fits_names_the_smallest_peak_and_what_to_change():
     assert "after choosing mesh, zero, recompute" in text and "--gpus 8" in text and "memory_budget of at least" in text
     # the smallest peak is at most the least of the rows the table shows (it follows the message, ranked by
     # step time: each mesh at every microbatch count that could fit, the least-memory ones may be cut off)
-    rows = [float(m[10]) for m in map(ROW.match, text.splitlines()) if m]
+    rows = [float(m[11]) for m in map(ROW.match, text.splitlines()) if m]
     assert rows and float(peaks[0][0]) <= min(rows) + 6e-3
 
 
