@@ -89,8 +89,9 @@ def run(case: str) -> None:
                         precision="bf16", memory_budget=budget, sequence_parallel="auto")
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = batch * seq / plan.predicted_step_time / gpus
+    budget = budget or f"the device memory, {DEVICES[DEVICE].memory_bytes / 2**30:.2f} GiB"
     print(f"## {case}: {name} ({params / 1e9:.2f}B parameters), {gpus} H100, batch {batch} x {seq}, "
-          f"budget {budget or f'the device memory, {DEVICES[DEVICE].memory_bytes / 2**30:.2f} GiB'}\n{about}\n")
+          f"budget {budget}\n{about}\n")
     split = f" (HSDP {plan.dp_replicate} x {plan.mesh[0] // plan.dp_replicate})" if plan.dp_replicate > 1 else ""
     split += f" cp={plan.cp}" if plan.cp > 1 else ""
     print(f"planned in {seconds:.1f} s ({cpu:.1f} s CPU); chosen {plan.mesh}{split} zero={plan.zero} "

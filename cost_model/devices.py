@@ -450,8 +450,6 @@ HOPPER_HOST_ADAM_RATE = 4.3e9
 # (`python -m autopar calibrate`) carries the machine's own.
 DGX_HOST_MEMORY = 2 * 10**12 // 8
 
-H100_MEMORY = round(79.18 * GiB)
-
 # Presets. Peak numbers are dense (no 2:4 sparsity) from NVIDIA's public data sheets; latencies
 # and matmul efficiencies are estimates meant to be replaced by `python -m autopar calibrate`.
 DEVICES: dict[str, DeviceSpec] = {
@@ -464,7 +462,7 @@ DEVICES: dict[str, DeviceSpec] = {
         name="h100",
         peak_flops={"fp32": 67e12, "tf32": 494e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
         mem_bandwidth=3.35e12,
-        memory_bytes=H100_MEMORY,
+        memory_bytes=round(79.18 * GiB),
         intra_node_bw=450e9,
         inter_node_bw=50e9,
         intra_node_latency=3e-6,

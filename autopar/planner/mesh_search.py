@@ -20,15 +20,15 @@ Context parallelism (cp ranks per sequence, ``passes.context_parallel``) is rank
 allows it (causal attention, ``check_context``) for the cp that split the sequence into 2·cp
 chunks (``check_sequence``). For one (pp, tp), the ranks left, D = dp·cp, split the batch's tokens
 either way: every (D/cp, pp, cp, tp) gives each rank the same tokens, while a larger cp adds its
-collectives and saves activation memory (activations / cp). Without pipeline stages, so per
-(pp, tp) cp rises from 1 while no plan fits, or while the plan that fits pays for its memory in
+collectives and saves activation memory (activations / cp). Without pipeline stages, per (pp, tp)
+cp therefore rises from 1 while no plan fits, or while the plan that fits pays for its memory in
 time (``_pays_for_memory``: recompute="auto" chose regions), since the next cp may fit with less
 recompute or none, as NVIDIA's recipes pay for memory with cp at 8k tokens, not recompute; it stops
 at the first cp that fits without recompute, or once one fitted and the next does not. With stages
 the rise goes on through every cp the floors allow: a larger cp means fewer dp ranks and so more
 microbatches per rank at the same batch, a smaller bubble (the 70B over 64 H100s: (2, 4, cp2, 4) at
 7.429 s, which the rule's stop at pp 4, tp 4 left out for a 7.645 s plan; the 175B's planning took
-40 s instead of 21). This rule is not exact: a
+34-40 CPU s instead of 21, BENCHMARKS.md). This rule is not exact: a
 larger cp also swaps dp's gradient sync for cp's, and the cost model prices a cp rank's ops at the
 whole sequence's matmul efficiency (``cost_model.context``), so a larger cp that the rule does not
 plan can be priced faster; planning every cp is complete but cost over 100 s for a 70B model on
